@@ -1,0 +1,51 @@
+# make build | run | test | bench | sanitize
+#
+# With a Docker engine, test and bench run inside the image built from tritonProject.Dockerfile
+# (NVIDIA's PyTorch container: torch, triton and Transformer Engine). Without one, or with
+# RUNNER=local, they run in the current Python if it has torch, triton and pytest, otherwise
+# in .venv, created from requirements.txt on first use. Without a CUDA GPU the tests select
+# Triton's interpreter by themselves.
+
+IMAGE      ?= triton-rotary
+PYTHON     ?= python3
+VENV       ?= .venv
+TEST_ARGS  ?=
+DOCKER_RUN  = docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
+              -v "$(CURDIR)":/workspace/triton-rotary -w /workspace/triton-rotary
+RUNNER     ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo local)
+
+TEST_CMD   = -m pytest -q pytest_benchmark_cuda_triton_comparison.py $(TEST_ARGS)
+BENCH_CMD  = pytest_benchmark_cuda_triton_comparison.py
+
+.PHONY: build run test bench sanitize local-python
+
+build:
+	docker build -f tritonProject.Dockerfile -t $(IMAGE) .
+
+run:
+	$(DOCKER_RUN) -it $(IMAGE) bash
+
+# Prints the interpreter to use locally, creating .venv only when the current one lacks packages.
+local-python:
+	@if $(PYTHON) -c "import torch, triton, pytest" >/dev/null 2>&1; then \
+	  echo $(PYTHON); \
+	else \
+	  if ! $(VENV)/bin/python -c "import torch, triton, pytest" >/dev/null 2>&1; then \
+	    $(PYTHON) -m venv $(VENV) >&2 && \
+	    $(VENV)/bin/python -m pip install -q --upgrade pip >&2 && \
+	    $(VENV)/bin/python -m pip install -q -r requirements.txt >&2 || exit 1; \
+	  fi; \
+	  echo $(VENV)/bin/python; \
+	fi
+
+ifeq ($(RUNNER),docker)
+test:
+	$(DOCKER_RUN) $(IMAGE) python $(TEST_CMD)
+bench:
+	$(DOCKER_RUN) $(IMAGE) python $(BENCH_CMD)
+else
+test:
+	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(TEST_CMD)
+bench:
+	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(BENCH_CMD)
+endif
