@@ -10,6 +10,7 @@ IMAGE      ?= triton-rotary
 PYTHON     ?= python3
 VENV       ?= .venv
 TEST_ARGS  ?=
+BENCH_ARGS ?=
 DOCKER_RUN  = docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
               -v "$(CURDIR)":/workspace/triton-rotary -w /workspace/triton-rotary
 RUNNER     ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo local)
@@ -42,10 +43,11 @@ ifeq ($(RUNNER),docker)
 test:
 	$(DOCKER_RUN) $(IMAGE) python $(TEST_CMD)
 bench:
-	$(DOCKER_RUN) $(IMAGE) python $(BENCH_CMD)
+	$(DOCKER_RUN) $(IMAGE) python $(BENCH_CMD) $(BENCH_ARGS)
 else
 test:
 	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(TEST_CMD)
 bench:
-	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(BENCH_CMD)
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)" >&2; exit 1; }
+	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(BENCH_CMD) $(BENCH_ARGS)
 endif

@@ -24,35 +24,72 @@ float64 inputs, so that `gradcheck` can run through the kernel).
 import triton
 import triton.language as tl
 
-# Rows (tokens) whose position falls outside `freqs` have no defined rotation. Rather than
-# read past the end of `freqs` (memory unsafe) or clamp (silently wrong), the kernel writes
-# NaN to their rotated channels, which no caller can mistake for a result.
-_NAN = tl.constexpr(float("nan"))
+# Quiet NaN as float32 bits (a NaN constant cannot be a global: NaN != NaN trips Triton's
+# check that globals did not change since compilation).
+_NAN_BITS = tl.constexpr(0x7FC00000)
+
+
+# float32 sin and cos sharing one argument reduction, as CUDA's own sincosf does: x = j*pi/2 + r
+# with |r| <= pi/4 by a three-part Cody-Waite reduction (exact products inside the FMAs), then
+# minimax polynomials on r and a quadrant swap. Accurate to a couple of ulp for
+# |x| <= _SINCOS_FAST_LIMIT; a program with any larger angle takes libdevice's sin/cos instead.
+_SINCOS_FAST_LIMIT = tl.constexpr(105615.0)
+_TWO_OVER_PI = tl.constexpr(0.636619772367581343)
+_PIO2_1 = tl.constexpr(1.5707962513e+00)
+_PIO2_2 = tl.constexpr(7.5497894159e-08)
+_PIO2_3 = tl.constexpr(5.3903029534e-15)
+
+
+@triton.jit
+def _sincos(x):
+    if tl.max(tl.max(tl.abs(x), axis=1), axis=0) > _SINCOS_FAST_LIMIT:
+        s = tl.sin(x)
+        c = tl.cos(x)
+    else:
+        j = tl.floor(x * _TWO_OVER_PI + 0.5)
+        r = tl.fma(-j, _PIO2_1, x)
+        r = tl.fma(-j, _PIO2_2, r)
+        r = tl.fma(-j, _PIO2_3, r)
+        r2 = r * r
+        sin_r = tl.fma(tl.fma(tl.fma(-1.9515295891e-4, r2, 8.3321608736e-3), r2, -1.6666654611e-1), r2 * r, r)
+        cos_r = tl.fma(tl.fma(tl.fma(tl.fma(2.443315711809948e-5, r2, -1.388731625493765e-3), r2,
+                                     4.166664568298827e-2), r2, -0.5), r2, 1.0)
+        q = j.to(tl.int32) & 3
+        swap = (q & 1) != 0
+        s = tl.where(swap, cos_r, sin_r)
+        c = tl.where(swap, sin_r, cos_r)
+        s = tl.where(q >= 2, -s, s)
+        c = tl.where((q == 1) | (q == 2), -c, c)
+    return s, c
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "search_steps",
                                "cp_size", "cp_rank", "freqs_len"])
 def rotary_kernel(
     OUT, X, FREQS, START_POSITIONS, CU_SEQLENS,
-    num_tokens, seq_len, batch, nheads, rotary_dim, head_dim, freqs_len,
+    num_tokens, seq_len, batch, nheads, heads_per_program, rotary_dim, head_dim,
+    freqs_len,
     num_seqs, search_steps, cp_size, cp_rank,
     stride_x_seq, stride_x_batch, stride_x_head, stride_x_dim,
     stride_out_seq, stride_out_batch, stride_out_head, stride_out_dim,
     stride_freqs_seq, stride_freqs_dim,
     BLOCK_T: tl.constexpr,       # tokens per program
-    BLOCK_H: tl.constexpr,       # heads per program
+    BLOCK_H: tl.constexpr,       # heads per step of the loop over a program's heads
     BLOCK_HALF: tl.constexpr,    # power of two >= rotary_dim // 2
-    BLOCK_PASS: tl.constexpr,    # chunk of the pass-through channels
+    BLOCK_PASS: tl.constexpr,    # chunk of the pass-through channels (past rotary_dim)
+    PASS_STEPS: tl.constexpr,    # chunks to copy; 0 in place (those channels stay put)
+    HEAD_STEPS: tl.constexpr,    # > 0: unroll the head loop that many steps; 0: runtime loop
+    FAST_SINCOS: tl.constexpr,   # float32 sincos with a shared reduction (else libdevice)
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr,
     SEQ_MAJOR: tl.constexpr,     # token index is seq-major (sbhd) or batch-major (bshd)
     HAS_START: tl.constexpr,
-    COPY_PASS: tl.constexpr,     # False for the in-place path: channels past rotary_dim stay put
     WIDE_INNER: tl.constexpr,    # offsets inside one token may exceed int32 (exotic strides)
 ):
-    # A program owns a tile [BLOCK_T tokens, BLOCK_H heads, rotary channels]. cos/sin depend
-    # on (token, channel) only, so they are computed once per token and shared by its heads.
+    # A program owns BLOCK_T tokens and `heads_per_program` of their heads, and walks the heads
+    # in tiles [BLOCK_T, BLOCK_H, channels]. cos/sin depend on (token, channel) only: they are
+    # computed once per program and shared by all its heads.
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     half = rotary_dim // 2
@@ -92,6 +129,7 @@ def rotary_kernel(
             batch_idx = tok // seq_len
             seq_idx = tok % seq_len
         local_len = seq_len
+        in_seq = tok_ok  # unused outside thd
         x_row = seq_idx.to(tl.int64) * stride_x_seq + batch_idx.to(tl.int64) * stride_x_batch
         out_row = seq_idx.to(tl.int64) * stride_out_seq + batch_idx.to(tl.int64) * stride_out_batch
 
@@ -108,20 +146,15 @@ def rotary_kernel(
     pos_ok = (pos >= 0) & (pos < freqs_len)
     freqs_row = tl.where(pos_ok, pos, 0).to(tl.int64) * stride_freqs_seq    # [T]
 
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_k = tl.arange(0, BLOCK_HALF)
     offs_d = tl.arange(0, 2 * BLOCK_HALF)
     offs_p = tl.arange(0, BLOCK_PASS)
-    mask_th = tok_ok[:, None, None] & (offs_h < nheads)[None, :, None]      # [T, H, 1]
     mask_k = (offs_k < half)[None, :]                                       # [1, K]
     mask_d = (offs_d < rotary_dim)[None, :]                                 # [1, 2K]
     if WIDE_INNER:
-        offs_h = offs_h.to(tl.int64)
         offs_k = offs_k.to(tl.int64)
         offs_d = offs_d.to(tl.int64)
         offs_p = offs_p.to(tl.int64)
-    x_base = X + x_row[:, None, None] + offs_h[None, :, None] * stride_x_head     # [T, H, 1]
-    out_base = OUT + out_row[:, None, None] + offs_h[None, :, None] * stride_out_head
 
     # Angles of the two members of each pair: channels (k, k + half) for rotate-half,
     # (2k, 2k + 1) interleaved. Interleaved tiles are loaded contiguously (vectorisable) and
@@ -135,22 +168,72 @@ def rotary_kernel(
         f2 = tl.load(f_base + (offs_k + half)[None, :] * stride_freqs_dim, mask=mask_k, other=0.0)
         f1 = f1.to(compute_dtype)
         f2 = f2.to(compute_dtype)
-    # A position outside freqs has no defined rotation: NaN, rather than an out-of-bounds read
-    # or a silently clamped angle.
-    cos1 = tl.where(pos_ok[:, None], tl.cos(f1), _NAN)[:, None, :]          # [T, 1, K]
-    cos2 = tl.where(pos_ok[:, None], tl.cos(f2), _NAN)[:, None, :]
-    if BACKWARD:
-        sin_a = -tl.sin(f2)[:, None, :]
-        sin_b = -tl.sin(f1)[:, None, :]
+    # sin/cos cost tens of instructions each: they are computed once per (token, channel)
+    # here and reused for every head below. A position outside freqs has no defined rotation:
+    # NaN, rather than an out-of-bounds read or a silently clamped angle.
+    if FAST_SINCOS:
+        sin1, cos1 = _sincos(f1)
+        sin2, cos2 = _sincos(f2)
     else:
-        sin_a = tl.sin(f1)[:, None, :]
-        sin_b = tl.sin(f2)[:, None, :]
+        sin1, cos1 = tl.sin(f1), tl.cos(f1)
+        sin2, cos2 = tl.sin(f2), tl.cos(f2)
+    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    cos1 = tl.where(pos_ok[:, None], cos1, nan)[:, None, :]                  # [T, 1, K]
+    cos2 = tl.where(pos_ok[:, None], cos2, nan)[:, None, :]
+    if BACKWARD:
+        sin_a = -sin2[:, None, :]
+        sin_b = -sin1[:, None, :]
+    else:
+        sin_a = sin1[:, None, :]
+        sin_b = sin2[:, None, :]
+
+    head_start = pid_h * heads_per_program
+    head_end = tl.minimum(head_start + heads_per_program, nheads)
+    if HEAD_STEPS > 0:
+        # Unrolled: the loads of every step can be issued before the sin/cos are ready.
+        for i in tl.static_range(HEAD_STEPS):
+            _rotate_heads(OUT, X, x_row, out_row, head_start + i * BLOCK_H, head_end, tok_ok,
+                          in_seq, cos1, cos2, sin_a, sin_b, half, rotary_dim, head_dim,
+                          stride_x_head, stride_x_dim, stride_out_head, stride_out_dim,
+                          offs_k, offs_d, offs_p, mask_k, mask_d, compute_dtype, BLOCK_T,
+                          BLOCK_H, BLOCK_HALF, BLOCK_PASS, PASS_STEPS, INTERLEAVED, IS_THD,
+                          WIDE_INNER)
+    else:
+        for h0 in range(head_start, head_end, BLOCK_H):
+            _rotate_heads(OUT, X, x_row, out_row, h0, head_end, tok_ok,
+                          in_seq, cos1, cos2, sin_a, sin_b, half, rotary_dim, head_dim,
+                          stride_x_head, stride_x_dim, stride_out_head, stride_out_dim,
+                          offs_k, offs_d, offs_p, mask_k, mask_d, compute_dtype, BLOCK_T,
+                          BLOCK_H, BLOCK_HALF, BLOCK_PASS, PASS_STEPS, INTERLEAVED, IS_THD,
+                          WIDE_INNER)
+
+
+@triton.jit
+def _rotate_heads(OUT, X, x_row, out_row, h0, head_end, tok_ok, in_seq, cos1, cos2, sin_a, sin_b,
+                  half, rotary_dim, head_dim, stride_x_head, stride_x_dim, stride_out_head,
+                  stride_out_dim, offs_k, offs_d, offs_p, mask_k, mask_d,
+                  compute_dtype: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, PASS_STEPS: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr, WIDE_INNER: tl.constexpr):
+    """One step: rotate heads h0 .. h0 + BLOCK_H of the program's BLOCK_T tokens."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_th = tok_ok[:, None, None] & (offs_h < head_end)[None, :, None]      # [T, H, 1]
+    if WIDE_INNER:
+        offs_h = offs_h.to(tl.int64)
+    x_base = X + x_row[:, None, None] + offs_h[None, :, None] * stride_x_head     # [T, H, 1]
+    out_base = OUT + out_row[:, None, None] + offs_h[None, :, None] * stride_out_head
+    out_ty = OUT.dtype.element_ty
+
+    for i in tl.static_range(PASS_STEPS):
+        dims = rotary_dim + i * BLOCK_PASS + offs_p
+        mp = mask_th & (dims < head_dim)[None, None, :]
+        xp = tl.load(x_base + dims[None, None, :] * stride_x_dim, mask=mp)
+        tl.store(out_base + dims[None, None, :] * stride_out_dim, xp, mask=mp)
 
     if INTERLEAVED:
         m = mask_th & mask_d[None, :, :]
-        x_ptrs = x_base + offs_d[None, None, :] * stride_x_dim
-        x = tl.load(x_ptrs, mask=m, other=0.0).to(compute_dtype)
-        x1, x2 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
+        x = tl.load(x_base + offs_d[None, None, :] * stride_x_dim, mask=m, other=0.0)
+        x1, x2 = tl.split(tl.reshape(x.to(compute_dtype), [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
     else:
         m = mask_th & mask_k[None, :, :]
         x1_ptrs = x_base + offs_k[None, None, :] * stride_x_dim
@@ -161,7 +244,6 @@ def rotary_kernel(
     if IS_THD:
         out1 = tl.where(in_seq[:, None, None], out1, x1)
         out2 = tl.where(in_seq[:, None, None], out2, x2)
-    out_ty = OUT.dtype.element_ty
     if INTERLEAVED:
         out = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
         tl.store(out_base + offs_d[None, None, :] * stride_out_dim, out.to(out_ty), mask=m)
@@ -170,18 +252,12 @@ def rotary_kernel(
         tl.store(out1_ptrs, out1.to(out_ty), mask=m)
         tl.store(out1_ptrs + half * stride_out_dim, out2.to(out_ty), mask=m)
 
-    if COPY_PASS:
-        for p in range(rotary_dim, head_dim, BLOCK_PASS):
-            dims = p + offs_p
-            mp = mask_th & (dims < head_dim)[None, None, :]
-            xp = tl.load(x_base + dims[None, None, :] * stride_x_dim, mask=mp)
-            tl.store(out_base + dims[None, None, :] * stride_out_dim, xp, mask=mp)
-
 
 # --------------------------------------------------------------------------------------------
 # Host side: argument checks (the one place they live) and the launcher.
 # --------------------------------------------------------------------------------------------
 
+import functools  # noqa: E402
 import os  # noqa: E402
 from typing import NamedTuple, Optional  # noqa: E402
 
@@ -191,11 +267,17 @@ TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-# Elements one program moves per token. Enough 16-byte accesses per thread to keep the
-# memory system busy; small enough to keep registers low (tuned on an H100, see README).
-TILE_ELEMENTS = 4096
+# Launch knobs (measured on H100/H200, see README): tokens per program, elements of one
+# step of the head loop (enough 16-byte accesses in flight per thread, few registers), and
+# the fewest programs per SM before a token block's heads are split over programs.
+TOKENS_PER_PROGRAM = 8
+STEP_ELEMENTS = 4096
+MIN_PROGRAMS_PER_SM = 4
+UNROLL_HEADS = False
+FAST_SINCOS = True
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 INTERPRETER_TILE_ELEMENTS = 1 << 16
+INTERPRETER_MIN_PROGRAMS = 0
 NUM_WARPS = 4
 
 
@@ -306,6 +388,17 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
     return RopeShape(seq_len, batch, nheads, head_dim, rotary_dim, num_tokens)
 
 
+def _overlaps_itself(x: torch.Tensor) -> bool:
+    """True if two elements of x share memory (e.g. an expanded tensor): walking the dims
+    from the smallest stride up, each stride must step past everything spanned so far."""
+    span = 0
+    for stride, size in sorted((st, s) for s, st in zip(x.shape, x.stride()) if s > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
 def _token_strides(x: torch.Tensor, tensor_format: str):
     """(seq, batch, head, dim) strides of x in the given format; thd has no batch stride."""
     if tensor_format == "sbhd":
@@ -315,15 +408,44 @@ def _token_strides(x: torch.Tensor, tensor_format: str):
     return x.stride(0), 0, x.stride(1), x.stride(2)
 
 
-def launch_config(shape: RopeShape, interleaved: bool):
-    """Block sizes, tokens per program and warps for one call (pure function of the shape)."""
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_config(shape: RopeShape, device: torch.device, dtype: torch.dtype, copy_pass: bool):
+    """Tile sizes, grid and warps for one call: a pure function of the sizes (no autotuning,
+    so nothing recompiles when the sequence length changes)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
-    tile = INTERPRETER_TILE_ELEMENTS if _interpreting() else TILE_ELEMENTS
-    block_h = min(triton.next_power_of_2(shape.nheads), max(1, tile // (2 * block_half)))
-    block_t = min(triton.next_power_of_2(shape.num_tokens), max(1, tile // (2 * block_half * block_h)))
-    block_pass = min(triton.next_power_of_2(max(shape.head_dim - shape.rotary_dim, 1)), 128)
-    return dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+    row = 2 * block_half                                 # rotary channels of one (token, head)
+    if _interpreting():
+        # Every program runs in Python: few, large programs.
+        tokens_per_program, step = INTERPRETER_TILE_ELEMENTS // row, INTERPRETER_TILE_ELEMENTS
+        min_programs = INTERPRETER_MIN_PROGRAMS
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tokens_per_program, step = TOKENS_PER_PROGRAM, STEP_ELEMENTS
+        min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
+    block_t = min(triton.next_power_of_2(shape.num_tokens), 1 << (max(1, tokens_per_program).bit_length() - 1))
+    block_h = min(triton.next_power_of_2(shape.nheads), 1 << (max(1, step // (row * block_t)).bit_length() - 1))
+    # Split a token block's heads over several programs only when there are too few token
+    # blocks to fill the GPU.
+    token_blocks = triton.cdiv(shape.num_tokens, block_t)
+    head_steps = triton.cdiv(shape.nheads, block_h)
+    splits = max(1, min(head_steps, triton.cdiv(min_programs, token_blocks)))
+    heads_per_program = block_h * triton.cdiv(head_steps, splits)
+    # Channels past rotary_dim are copied in an unrolled loop of PASS_STEPS chunks, so that
+    # their loads are in flight together with the rotary ones.
+    pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
+    block_pass = min(triton.next_power_of_2(max(pass_dims, 1)), 256)
+    pass_steps = triton.cdiv(pass_dims, block_pass)
+    grid = (token_blocks, triton.cdiv(shape.nheads, heads_per_program))
+    head_steps_unrolled = triton.cdiv(heads_per_program, block_h) if UNROLL_HEADS else 0
+    meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+                PASS_STEPS=pass_steps,
+                HEAD_STEPS=head_steps_unrolled, FAST_SINCOS=FAST_SINCOS and dtype != torch.float64,
                 num_warps=NUM_WARPS)
+    return grid, heads_per_program, meta
 
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -339,7 +461,7 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
                             cp_rank, interleaved)
     in_place = out is t
     if in_place:
-        if torch._C._debug_has_internal_overlap(t) != 0:
+        if _overlaps_itself(t):
             raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
                              "expanded tensor)")
     elif out is None:
@@ -348,6 +470,11 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         return out
     if freqs.dtype != torch.float32:
         freqs = freqs.float()
+    # The kernel indexes these with unit stride (freqs, with any strides, it reads as strided).
+    if start_positions is not None:
+        start_positions = start_positions.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
 
     x_strides = _token_strides(t, tensor_format)
     out_strides = _token_strides(out, tensor_format)
@@ -356,15 +483,14 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     num_seqs = shape.batch
-    cfg = launch_config(shape, interleaved)
-    grid = (triton.cdiv(shape.num_tokens, cfg["BLOCK_T"]), triton.cdiv(shape.nheads, cfg["BLOCK_H"]))
+    grid, heads_per_program, meta = launch_config(shape, t.device, t.dtype, copy_pass=not in_place)
     rotary_kernel[grid](
         out, t, freqs, start_positions, cu_seqlens,
-        shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
-        shape.head_dim, freqs.shape[0],
+        shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, heads_per_program,
+        shape.rotary_dim, shape.head_dim, freqs.shape[0],
         num_seqs, max(num_seqs, 1).bit_length() if is_thd else 0, cp_size, cp_rank,
         *x_strides, *out_strides, freqs.stride(0), freqs.stride(3),
         INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
         SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
-        COPY_PASS=not in_place, WIDE_INNER=widest > _INT32_MAX, **cfg)
+        WIDE_INNER=widest > _INT32_MAX, **meta)
     return out

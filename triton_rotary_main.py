@@ -12,8 +12,8 @@ import torch
 
 from triton_rotary_kernel import check_rope_args, set_rotary_kernel
 
-__all__ = ["apply_rotary_pos_emb", "RopeForwardAndBackward", "RotaryPositionEmbedding",
-           "token_positions"]
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "RopeForwardAndBackward",
+           "RotaryPositionEmbedding", "token_positions"]
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
@@ -204,3 +204,19 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
                              cp_size, cp_rank)
     return RopeForwardAndBackward.apply(t, freqs, tensor_format, start_positions, interleaved,
                                         cu_seqlens, cp_size, cp_rank)
+
+
+def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd",
+                                 start_positions: Optional[torch.Tensor] = None,
+                                 interleaved: bool = False,
+                                 cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
+                                 cp_rank: int = 0) -> torch.Tensor:
+    """Inference path: rotate `t` in its own storage and return it. Only the first d2 channels
+    of each head are read and written; `t` may be a strided view (e.g. q inside a packed qkv
+    buffer) but must not overlap itself. Same arguments and semantics as
+    `apply_rotary_pos_emb`; no autograd (use it under torch.no_grad() / inference_mode())."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError("apply_rotary_pos_emb_inplace is for inference: t requires grad; use "
+                         "apply_rotary_pos_emb, or call it under torch.no_grad()")
+    return set_rotary_kernel(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
+                             cp_size, cp_rank, out=t)

@@ -1,0 +1,2 @@
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running GPU test (deselect with -m 'not slow')")
