@@ -45,8 +45,11 @@ test:
 bench:
 	$(DOCKER_RUN) $(IMAGE) python $(BENCH_CMD) $(BENCH_ARGS)
 else
+# Without a GPU the interpreter is CPU-bound: spread the tests over the cores (pytest-xdist).
 test:
-	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(TEST_CMD)
+	@PY=$$($(MAKE) -s local-python RUNNER=local) && \
+	PARALLEL=$$(if ! nvidia-smi -L >/dev/null 2>&1 && $$PY -c "import xdist" 2>/dev/null; then echo "-n auto"; fi) && \
+	$$PY $(TEST_CMD) $$PARALLEL
 bench:
 	@nvidia-smi -L >/dev/null 2>&1 || { echo "make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)" >&2; exit 1; }
 	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(BENCH_CMD) $(BENCH_ARGS)

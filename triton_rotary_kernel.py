@@ -29,40 +29,6 @@ import triton.language as tl
 _NAN_BITS = tl.constexpr(0x7FC00000)
 
 
-# float32 sin and cos sharing one argument reduction, as CUDA's own sincosf does: x = j*pi/2 + r
-# with |r| <= pi/4 by a three-part Cody-Waite reduction (exact products inside the FMAs), then
-# minimax polynomials on r and a quadrant swap. Accurate to a couple of ulp for
-# |x| <= _SINCOS_FAST_LIMIT; a program with any larger angle takes libdevice's sin/cos instead.
-_SINCOS_FAST_LIMIT = tl.constexpr(105615.0)
-_TWO_OVER_PI = tl.constexpr(0.636619772367581343)
-_PIO2_1 = tl.constexpr(1.5707962513e+00)
-_PIO2_2 = tl.constexpr(7.5497894159e-08)
-_PIO2_3 = tl.constexpr(5.3903029534e-15)
-
-
-@triton.jit
-def _sincos(x):
-    if tl.max(tl.max(tl.abs(x), axis=1), axis=0) > _SINCOS_FAST_LIMIT:
-        s = tl.sin(x)
-        c = tl.cos(x)
-    else:
-        j = tl.floor(x * _TWO_OVER_PI + 0.5)
-        r = tl.fma(-j, _PIO2_1, x)
-        r = tl.fma(-j, _PIO2_2, r)
-        r = tl.fma(-j, _PIO2_3, r)
-        r2 = r * r
-        sin_r = tl.fma(tl.fma(tl.fma(-1.9515295891e-4, r2, 8.3321608736e-3), r2, -1.6666654611e-1), r2 * r, r)
-        cos_r = tl.fma(tl.fma(tl.fma(tl.fma(2.443315711809948e-5, r2, -1.388731625493765e-3), r2,
-                                     4.166664568298827e-2), r2, -0.5), r2, 1.0)
-        q = j.to(tl.int32) & 3
-        swap = (q & 1) != 0
-        s = tl.where(swap, cos_r, sin_r)
-        c = tl.where(swap, sin_r, cos_r)
-        s = tl.where(q >= 2, -s, s)
-        c = tl.where((q == 1) | (q == 2), -c, c)
-    return s, c
-
-
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "search_steps",
                                "cp_size", "cp_rank", "freqs_len"])
 def rotary_kernel(
@@ -78,8 +44,6 @@ def rotary_kernel(
     BLOCK_HALF: tl.constexpr,    # power of two >= rotary_dim // 2
     BLOCK_PASS: tl.constexpr,    # chunk of the pass-through channels (past rotary_dim)
     PASS_STEPS: tl.constexpr,    # chunks to copy; 0 in place (those channels stay put)
-    HEAD_STEPS: tl.constexpr,    # > 0: unroll the head loop that many steps; 0: runtime loop
-    FAST_SINCOS: tl.constexpr,   # float32 sincos with a shared reduction (else libdevice)
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr,
@@ -90,17 +54,36 @@ def rotary_kernel(
     # A program owns BLOCK_T tokens and `heads_per_program` of their heads, and walks the heads
     # in tiles [BLOCK_T, BLOCK_H, channels]. cos/sin depend on (token, channel) only: they are
     # computed once per program and shared by all its heads.
-    pid_t = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    half = rotary_dim // 2
-    compute_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    tok, tok_ok, in_seq, seq_idx, batch_idx, pos = _token_positions(
+        START_POSITIONS, CU_SEQLENS, num_tokens, seq_len, batch, num_seqs, search_steps, cp_size,
+        cp_rank, BLOCK_T, IS_THD, SEQ_MAJOR, HAS_START)
+    if IS_THD:
+        x_row = tok.to(tl.int64) * stride_x_seq
+        out_row = tok.to(tl.int64) * stride_out_seq
+    else:
+        x_row = seq_idx.to(tl.int64) * stride_x_seq + batch_idx.to(tl.int64) * stride_x_batch
+        out_row = seq_idx.to(tl.int64) * stride_out_seq + batch_idx.to(tl.int64) * stride_out_batch
+    cos1, cos2, sin_a, sin_b = _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq,
+                                         stride_freqs_dim, X.dtype.element_ty, BLOCK_T,
+                                         BLOCK_HALF, INTERLEAVED, BACKWARD)
+    head_start = tl.program_id(1) * heads_per_program
+    head_end = tl.minimum(head_start + heads_per_program, nheads)
+    for h0 in range(head_start, head_end, BLOCK_H):
+        _rotate_heads(OUT, X, x_row, out_row, h0, head_end, 1, stride_x_head, stride_x_head,
+                      stride_out_head, stride_out_head, tok_ok, in_seq, cos1, cos2, sin_a, sin_b,
+                      rotary_dim, head_dim, stride_x_dim, stride_out_dim, BLOCK_T, BLOCK_H,
+                      BLOCK_HALF, BLOCK_PASS, PASS_STEPS, INTERLEAVED, IS_THD, WIDE_INNER)
 
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)                       # [T]
+
+@triton.jit
+def _token_positions(START_POSITIONS, CU_SEQLENS, num_tokens, seq_len, batch, num_seqs,
+                     search_steps, cp_size, cp_rank, BLOCK_T: tl.constexpr,
+                     IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr):
+    """The program's tokens: index, validity, sequence membership, (seq, batch) indices and
+    position (row of freqs)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)             # [T]
     tok_ok = tok < num_tokens
     tok = tl.minimum(tok, num_tokens - 1)
-
-    # Sequence index of each token within its sequence (`seq_idx`), the sequence (`batch_idx`)
-    # and that sequence's local length.
     if IS_THD:
         # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
         # each sequence. Binary search for the last sequence starting at or before the token.
@@ -119,8 +102,6 @@ def rotary_kernel(
         in_seq = (tok >= seq_start) & (tok < seq_end)
         seq_idx = tok - seq_start
         local_len = seq_end - seq_start
-        x_row = tok.to(tl.int64) * stride_x_seq
-        out_row = tok.to(tl.int64) * stride_out_seq
     else:
         if SEQ_MAJOR:
             seq_idx = tok // batch
@@ -129,13 +110,10 @@ def rotary_kernel(
             batch_idx = tok // seq_len
             seq_idx = tok % seq_len
         local_len = seq_len
-        in_seq = tok_ok  # unused outside thd
-        x_row = seq_idx.to(tl.int64) * stride_x_seq + batch_idx.to(tl.int64) * stride_x_batch
-        out_row = seq_idx.to(tl.int64) * stride_out_seq + batch_idx.to(tl.int64) * stride_out_batch
-
-    # Position of each token in the full sequence. Context parallelism (TE's load-balanced
-    # split): the global sequence is cut into 2*cp_size chunks and rank r holds chunks r and
-    # 2*cp_size-1-r, so the second half of the local tokens jumps ahead.
+        in_seq = tok_ok
+    # Context parallelism (TE's load-balanced split): the global sequence is cut into
+    # 2*cp_size chunks and rank r holds chunks r and 2*cp_size-1-r, so the second half of the
+    # local tokens jumps ahead.
     pos = seq_idx
     if cp_size > 1:
         half_len = local_len // 2
@@ -143,99 +121,83 @@ def rotary_kernel(
                        seq_idx + cp_size * local_len - (cp_rank + 2) * half_len)
     if HAS_START:
         pos = pos + tl.load(START_POSITIONS + tl.minimum(batch_idx, num_seqs - 1))
-    pos_ok = (pos >= 0) & (pos < freqs_len)
-    freqs_row = tl.where(pos_ok, pos, 0).to(tl.int64) * stride_freqs_seq    # [T]
-
-    offs_k = tl.arange(0, BLOCK_HALF)
-    offs_d = tl.arange(0, 2 * BLOCK_HALF)
-    offs_p = tl.arange(0, BLOCK_PASS)
-    mask_k = (offs_k < half)[None, :]                                       # [1, K]
-    mask_d = (offs_d < rotary_dim)[None, :]                                 # [1, 2K]
-    if WIDE_INNER:
-        offs_k = offs_k.to(tl.int64)
-        offs_d = offs_d.to(tl.int64)
-        offs_p = offs_p.to(tl.int64)
-
-    # Angles of the two members of each pair: channels (k, k + half) for rotate-half,
-    # (2k, 2k + 1) interleaved. Interleaved tiles are loaded contiguously (vectorisable) and
-    # split even/odd in registers rather than gathered with stride 2.
-    f_base = FREQS + freqs_row[:, None]
-    if INTERLEAVED:
-        f = tl.load(f_base + offs_d[None, :] * stride_freqs_dim, mask=mask_d, other=0.0)
-        f1, f2 = tl.split(tl.reshape(f.to(compute_dtype), [BLOCK_T, BLOCK_HALF, 2]))
-    else:
-        f1 = tl.load(f_base + offs_k[None, :] * stride_freqs_dim, mask=mask_k, other=0.0)
-        f2 = tl.load(f_base + (offs_k + half)[None, :] * stride_freqs_dim, mask=mask_k, other=0.0)
-        f1 = f1.to(compute_dtype)
-        f2 = f2.to(compute_dtype)
-    # sin/cos cost tens of instructions each: they are computed once per (token, channel)
-    # here and reused for every head below. A position outside freqs has no defined rotation:
-    # NaN, rather than an out-of-bounds read or a silently clamped angle.
-    if FAST_SINCOS:
-        sin1, cos1 = _sincos(f1)
-        sin2, cos2 = _sincos(f2)
-    else:
-        sin1, cos1 = tl.sin(f1), tl.cos(f1)
-        sin2, cos2 = tl.sin(f2), tl.cos(f2)
-    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    cos1 = tl.where(pos_ok[:, None], cos1, nan)[:, None, :]                  # [T, 1, K]
-    cos2 = tl.where(pos_ok[:, None], cos2, nan)[:, None, :]
-    if BACKWARD:
-        sin_a = -sin2[:, None, :]
-        sin_b = -sin1[:, None, :]
-    else:
-        sin_a = sin1[:, None, :]
-        sin_b = sin2[:, None, :]
-
-    head_start = pid_h * heads_per_program
-    head_end = tl.minimum(head_start + heads_per_program, nheads)
-    if HEAD_STEPS > 0:
-        # Unrolled: the loads of every step can be issued before the sin/cos are ready.
-        for i in tl.static_range(HEAD_STEPS):
-            _rotate_heads(OUT, X, x_row, out_row, head_start + i * BLOCK_H, head_end, tok_ok,
-                          in_seq, cos1, cos2, sin_a, sin_b, half, rotary_dim, head_dim,
-                          stride_x_head, stride_x_dim, stride_out_head, stride_out_dim,
-                          offs_k, offs_d, offs_p, mask_k, mask_d, compute_dtype, BLOCK_T,
-                          BLOCK_H, BLOCK_HALF, BLOCK_PASS, PASS_STEPS, INTERLEAVED, IS_THD,
-                          WIDE_INNER)
-    else:
-        for h0 in range(head_start, head_end, BLOCK_H):
-            _rotate_heads(OUT, X, x_row, out_row, h0, head_end, tok_ok,
-                          in_seq, cos1, cos2, sin_a, sin_b, half, rotary_dim, head_dim,
-                          stride_x_head, stride_x_dim, stride_out_head, stride_out_dim,
-                          offs_k, offs_d, offs_p, mask_k, mask_d, compute_dtype, BLOCK_T,
-                          BLOCK_H, BLOCK_HALF, BLOCK_PASS, PASS_STEPS, INTERLEAVED, IS_THD,
-                          WIDE_INNER)
+    return tok, tok_ok, in_seq, seq_idx, batch_idx, pos
 
 
 @triton.jit
-def _rotate_heads(OUT, X, x_row, out_row, h0, head_end, tok_ok, in_seq, cos1, cos2, sin_a, sin_b,
-                  half, rotary_dim, head_dim, stride_x_head, stride_x_dim, stride_out_head,
-                  stride_out_dim, offs_k, offs_d, offs_p, mask_k, mask_d,
-                  compute_dtype: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, PASS_STEPS: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr, WIDE_INNER: tl.constexpr):
-    """One step: rotate heads h0 .. h0 + BLOCK_H of the program's BLOCK_T tokens."""
+def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim, x_dtype,
+              BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+              BACKWARD: tl.constexpr):
+    """cos/sin factors [T, 1, K] of both pair members: (cos1, cos2, sin_a, sin_b) such that
+    out1 = x1*cos1 - x2*sin_a and out2 = x2*cos2 + x1*sin_b (forward or its transpose)."""
+    compute_dtype = tl.float64 if x_dtype == tl.float64 else tl.float32
+    half = rotary_dim // 2
+    # A position outside freqs has no defined rotation: NaN, rather than an out-of-bounds read
+    # or a silently clamped angle.
+    pos_ok = (pos >= 0) & (pos < freqs_len)
+    f_base = FREQS + tl.where(pos_ok, pos, 0).to(tl.int64)[:, None] * stride_freqs_seq
+    # Angles of the two members of each pair: channels (k, k + half) for rotate-half,
+    # (2k, 2k + 1) interleaved.
+    if INTERLEAVED:
+        offs_d = tl.arange(0, 2 * BLOCK_HALF)
+        f = tl.load(f_base + offs_d[None, :] * stride_freqs_dim, mask=offs_d[None, :] < rotary_dim, other=0.0)
+        f1, f2 = tl.split(tl.reshape(f.to(compute_dtype), [BLOCK_T, BLOCK_HALF, 2]))
+    else:
+        offs_k = tl.arange(0, BLOCK_HALF)
+        mask_k = offs_k[None, :] < half
+        f1 = tl.load(f_base + offs_k[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
+        f2 = tl.load(f_base + (offs_k + half)[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
+    # Precise sin/cos (libdevice, like TE's sincosf) cost tens of instructions each: computed
+    # once per (token, channel) and reused for every head of the program.
+    sin1, cos1 = tl.sin(f1), tl.cos(f1)
+    sin2, cos2 = tl.sin(f2), tl.cos(f2)
+    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    cos1 = tl.where(pos_ok[:, None], cos1, nan)[:, None, :]
+    cos2 = tl.where(pos_ok[:, None], cos2, nan)[:, None, :]
+    if BACKWARD:
+        return cos1, cos2, -sin2[:, None, :], -sin1[:, None, :]
+    return cos1, cos2, sin1[:, None, :], sin2[:, None, :]
+
+
+@triton.jit
+def _rotate_heads(OUT, X, x_row, out_row, h0, head_end, heads_per_group, stride_x_group,
+                  stride_x_head, stride_out_group, stride_out_head, tok_ok, in_seq, cos1, cos2,
+                  sin_a, sin_b, rotary_dim, head_dim, stride_x_dim, stride_out_dim,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_PASS: tl.constexpr, PASS_STEPS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  IS_THD: tl.constexpr, WIDE_INNER: tl.constexpr):
+    """Rotate heads h0 .. h0 + BLOCK_H of the program's BLOCK_T tokens. Head j sits at
+    (j // heads_per_group) * stride_group + (j % heads_per_group) * stride_head, which is
+    j * stride_head for ordinary tensors (heads_per_group = 1) and addresses the query heads
+    of a packed [.., kv_heads, q|k|v] tensor."""
+    half = rotary_dim // 2
+    compute_dtype = cos1.dtype
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask_th = tok_ok[:, None, None] & (offs_h < head_end)[None, :, None]      # [T, H, 1]
+    offs_k = tl.arange(0, BLOCK_HALF)
+    offs_d = tl.arange(0, 2 * BLOCK_HALF)
+    mask_k = (offs_k < half)[None, None, :]
+    mask_d = (offs_d < rotary_dim)[None, None, :]
     if WIDE_INNER:
         offs_h = offs_h.to(tl.int64)
-    x_base = X + x_row[:, None, None] + offs_h[None, :, None] * stride_x_head     # [T, H, 1]
-    out_base = OUT + out_row[:, None, None] + offs_h[None, :, None] * stride_out_head
+        offs_k = offs_k.to(tl.int64)
+        offs_d = offs_d.to(tl.int64)
+    group, sub = offs_h // heads_per_group, offs_h % heads_per_group
+    x_base = X + x_row[:, None, None] + (group * stride_x_group + sub * stride_x_head)[None, :, None]
+    out_base = OUT + out_row[:, None, None] + (group * stride_out_group + sub * stride_out_head)[None, :, None]
     out_ty = OUT.dtype.element_ty
 
-    for i in tl.static_range(PASS_STEPS):
-        dims = rotary_dim + i * BLOCK_PASS + offs_p
-        mp = mask_th & (dims < head_dim)[None, None, :]
-        xp = tl.load(x_base + dims[None, None, :] * stride_x_dim, mask=mp)
-        tl.store(out_base + dims[None, None, :] * stride_out_dim, xp, mask=mp)
+    _copy_channels(x_base, out_base, mask_th, rotary_dim, head_dim, stride_x_dim, stride_out_dim,
+                   BLOCK_PASS, PASS_STEPS, WIDE_INNER)
 
+    # Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
+    # registers rather than gathered with stride 2.
     if INTERLEAVED:
-        m = mask_th & mask_d[None, :, :]
+        m = mask_th & mask_d
         x = tl.load(x_base + offs_d[None, None, :] * stride_x_dim, mask=m, other=0.0)
         x1, x2 = tl.split(tl.reshape(x.to(compute_dtype), [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
     else:
-        m = mask_th & mask_k[None, :, :]
+        m = mask_th & mask_k
         x1_ptrs = x_base + offs_k[None, None, :] * stride_x_dim
         x1 = tl.load(x1_ptrs, mask=m, other=0.0).to(compute_dtype)
         x2 = tl.load(x1_ptrs + half * stride_x_dim, mask=m, other=0.0).to(compute_dtype)
@@ -253,6 +215,76 @@ def _rotate_heads(OUT, X, x_row, out_row, h0, head_end, tok_ok, in_seq, cos1, co
         tl.store(out1_ptrs + half * stride_out_dim, out2.to(out_ty), mask=m)
 
 
+@triton.jit
+def _copy_channels(x_base, out_base, mask_th, first, last, stride_x_dim, stride_out_dim,
+                   BLOCK: tl.constexpr, STEPS: tl.constexpr, WIDE_INNER: tl.constexpr):
+    """Copy channels first..last of a [T, H] tile of heads, unrolled in STEPS chunks so that
+    their loads are in flight together with the rest of the program's."""
+    offs = tl.arange(0, BLOCK)
+    if WIDE_INNER:
+        offs = offs.to(tl.int64)
+    for i in tl.static_range(STEPS):
+        dims = first + i * BLOCK + offs
+        m = mask_th & (dims < last)[None, None, :]
+        tl.store(out_base + dims[None, None, :] * stride_out_dim,
+                 tl.load(x_base + dims[None, None, :] * stride_x_dim, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank",
+                               "q_freqs_len", "k_freqs_len"])
+def rotary_qkv_kernel(
+    Q_OUT, K_OUT, V_OUT, Q_IN, K_IN, V_IN, Q_FREQS, K_FREQS, START_POSITIONS,
+    num_tokens, seq_len, batch, kv_heads, q_per_kv, rotary_dim, head_dim, v_dim,
+    q_freqs_len, k_freqs_len, cp_size, cp_rank, q_programs, k_programs,
+    # (seq, batch, kv group, head in group, channel) strides of q; (seq, batch, head, channel)
+    # of k and v. Forward reads the packed tensor and writes three; backward the reverse.
+    sqi_s, sqi_b, sqi_g, sqi_h, sqi_d, sqo_s, sqo_b, sqo_g, sqo_h, sqo_d,
+    ski_s, ski_b, ski_h, ski_d, sko_s, sko_b, sko_h, sko_d,
+    svi_s, svi_b, svi_h, svi_d, svo_s, svo_b, svo_h, svo_d,
+    stride_qf_seq, stride_qf_dim, stride_kf_seq, stride_kf_dim,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, PASS_STEPS: tl.constexpr, BLOCK_V: tl.constexpr,
+    V_STEPS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr,
+    WIDE_INNER: tl.constexpr,
+):
+    """Fused QKV: one launch for q, k and v. Programs along axis 1 first cover the query
+    heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS), then
+    copy the value heads."""
+    tok, tok_ok, in_seq, seq_idx, batch_idx, pos = _token_positions(
+        START_POSITIONS, START_POSITIONS, num_tokens, seq_len, batch, batch, 0, cp_size, cp_rank,
+        BLOCK_T, False, SEQ_MAJOR, HAS_START)
+    seq_idx = seq_idx.to(tl.int64)
+    batch_idx = batch_idx.to(tl.int64)
+    pid_h = tl.program_id(1)
+    if pid_h < q_programs:
+        cos1, cos2, sin_a, sin_b = _rotation(Q_FREQS, pos, q_freqs_len, rotary_dim, stride_qf_seq,
+                                             stride_qf_dim, Q_IN.dtype.element_ty, BLOCK_T,
+                                             BLOCK_HALF, INTERLEAVED, BACKWARD)
+        _rotate_heads(Q_OUT, Q_IN, seq_idx * sqi_s + batch_idx * sqi_b,
+                      seq_idx * sqo_s + batch_idx * sqo_b, pid_h * BLOCK_H, kv_heads * q_per_kv,
+                      q_per_kv, sqi_g, sqi_h, sqo_g, sqo_h, tok_ok, in_seq, cos1, cos2, sin_a,
+                      sin_b, rotary_dim, head_dim, sqi_d, sqo_d, BLOCK_T, BLOCK_H, BLOCK_HALF,
+                      BLOCK_PASS, PASS_STEPS, INTERLEAVED, False, WIDE_INNER)
+    elif pid_h < q_programs + k_programs:
+        cos1, cos2, sin_a, sin_b = _rotation(K_FREQS, pos, k_freqs_len, rotary_dim, stride_kf_seq,
+                                             stride_kf_dim, K_IN.dtype.element_ty, BLOCK_T,
+                                             BLOCK_HALF, INTERLEAVED, BACKWARD)
+        _rotate_heads(K_OUT, K_IN, seq_idx * ski_s + batch_idx * ski_b,
+                      seq_idx * sko_s + batch_idx * sko_b, (pid_h - q_programs) * BLOCK_H,
+                      kv_heads, 1, ski_h, ski_h, sko_h, sko_h, tok_ok, in_seq, cos1, cos2, sin_a,
+                      sin_b, rotary_dim, head_dim, ski_d, sko_d, BLOCK_T, BLOCK_H, BLOCK_HALF,
+                      BLOCK_PASS, PASS_STEPS, INTERLEAVED, False, WIDE_INNER)
+    else:
+        offs_h = (pid_h - q_programs - k_programs) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_th = tok_ok[:, None, None] & (offs_h < kv_heads)[None, :, None]
+        if WIDE_INNER:
+            offs_h = offs_h.to(tl.int64)
+        v_in = V_IN + (seq_idx * svi_s + batch_idx * svi_b)[:, None, None] + (offs_h * svi_h)[None, :, None]
+        v_out = V_OUT + (seq_idx * svo_s + batch_idx * svo_b)[:, None, None] + (offs_h * svo_h)[None, :, None]
+        _copy_channels(v_in, v_out, mask_th, 0, v_dim, svi_d, svo_d, BLOCK_V, V_STEPS, WIDE_INNER)
+
+
 # --------------------------------------------------------------------------------------------
 # Host side: argument checks (the one place they live) and the launcher.
 # --------------------------------------------------------------------------------------------
@@ -267,18 +299,17 @@ TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-# Launch knobs (measured on H100/H200, see README): tokens per program, elements of one
-# step of the head loop (enough 16-byte accesses in flight per thread, few registers), and
-# the fewest programs per SM before a token block's heads are split over programs.
-TOKENS_PER_PROGRAM = 8
-STEP_ELEMENTS = 4096
+# Launch rule, from sweeps on an H200 (README, "Tuning"). A program moves all heads of one
+# token when they hold at least ONE_TOKEN_ELEMENTS rotary channels, otherwise of
+# FEW_HEADS_TOKENS tokens, walking the heads STEP_ELEMENTS channels at a time; heads are split
+# over programs only when fewer than MIN_PROGRAMS_PER_SM programs per SM would remain.
+ONE_TOKEN_ELEMENTS = 4096
+FEW_HEADS_TOKENS = 4
+STEP_ELEMENTS = 8192
 MIN_PROGRAMS_PER_SM = 4
-UNROLL_HEADS = False
-FAST_SINCOS = True
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 INTERPRETER_TILE_ELEMENTS = 1 << 16
 INTERPRETER_MIN_PROGRAMS = 0
-NUM_WARPS = 4
 
 
 def _interpreting() -> bool:
@@ -413,23 +444,22 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_config(shape: RopeShape, device: torch.device, dtype: torch.dtype, copy_pass: bool):
-    """Tile sizes, grid and warps for one call: a pure function of the sizes (no autotuning,
-    so nothing recompiles when the sequence length changes)."""
+def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
+    """Tile sizes, grid and warps for one call: a pure function of the sizes (no autotuning;
+    nothing here depends on the sequence length except the grid, so nothing recompiles)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     row = 2 * block_half                                 # rotary channels of one (token, head)
+    heads = triton.next_power_of_2(shape.nheads)
     if _interpreting():
         # Every program runs in Python: few, large programs.
-        tokens_per_program, step = INTERPRETER_TILE_ELEMENTS // row, INTERPRETER_TILE_ELEMENTS
-        min_programs = INTERPRETER_MIN_PROGRAMS
+        tokens, step, min_programs = (INTERPRETER_TILE_ELEMENTS // row, INTERPRETER_TILE_ELEMENTS,
+                                      INTERPRETER_MIN_PROGRAMS)
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        tokens_per_program, step = TOKENS_PER_PROGRAM, STEP_ELEMENTS
-        min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
-    block_t = min(triton.next_power_of_2(shape.num_tokens), 1 << (max(1, tokens_per_program).bit_length() - 1))
-    block_h = min(triton.next_power_of_2(shape.nheads), 1 << (max(1, step // (row * block_t)).bit_length() - 1))
-    # Split a token block's heads over several programs only when there are too few token
-    # blocks to fill the GPU.
+        tokens = 1 if heads * row >= ONE_TOKEN_ELEMENTS else FEW_HEADS_TOKENS
+        step, min_programs = STEP_ELEMENTS, MIN_PROGRAMS_PER_SM * _num_sms(index)
+    block_t = min(triton.next_power_of_2(shape.num_tokens), _pow2_floor(tokens))
+    block_h = min(heads, _pow2_floor(step // (row * block_t)))
     token_blocks = triton.cdiv(shape.num_tokens, block_t)
     head_steps = triton.cdiv(shape.nheads, block_h)
     splits = max(1, min(head_steps, triton.cdiv(min_programs, token_blocks)))
@@ -438,14 +468,15 @@ def launch_config(shape: RopeShape, device: torch.device, dtype: torch.dtype, co
     # their loads are in flight together with the rotary ones.
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = min(triton.next_power_of_2(max(pass_dims, 1)), 256)
-    pass_steps = triton.cdiv(pass_dims, block_pass)
     grid = (token_blocks, triton.cdiv(shape.nheads, heads_per_program))
-    head_steps_unrolled = triton.cdiv(heads_per_program, block_h) if UNROLL_HEADS else 0
     meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-                PASS_STEPS=pass_steps,
-                HEAD_STEPS=head_steps_unrolled, FAST_SINCOS=FAST_SINCOS and dtype != torch.float64,
-                num_warps=NUM_WARPS)
+                PASS_STEPS=triton.cdiv(pass_dims, block_pass),
+                num_warps=2 if block_t == 1 else 4)
     return grid, heads_per_program, meta
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -483,7 +514,7 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     num_seqs = shape.batch
-    grid, heads_per_program, meta = launch_config(shape, t.device, t.dtype, copy_pass=not in_place)
+    grid, heads_per_program, meta = launch_config(shape, t.device, copy_pass=not in_place)
     rotary_kernel[grid](
         out, t, freqs, start_positions, cu_seqlens,
         shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, heads_per_program,
@@ -494,3 +525,101 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
         WIDE_INNER=widest > _INT32_MAX, **meta)
     return out
+
+
+def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
+                   cp_size, cp_rank, interleaved, need_kernel=True):
+    """Validate a fused-QKV call; returns (RopeShape of the key part, (q, k, v) widths)."""
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(f"tensor_format must be 'sbhd' or 'bshd' for fused QKV, got {tensor_format!r}")
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    split = qkv_split_arg_list
+    if (not isinstance(split, (list, tuple)) or len(split) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split)):
+        raise ValueError(f"qkv_split_arg_list must be three positive ints [q, k, v], got {split!r}")
+    if qkv.dim() != 4 or qkv.shape[-1] != sum(split):
+        raise ValueError(f"qkv must be 4-D [{', '.join(tensor_format[:3])}, q+k+v] with last dim "
+                         f"{sum(split)} = sum(qkv_split_arg_list), got shape {tuple(qkv.shape)}")
+    if split[0] % split[1]:
+        raise ValueError(f"qkv_split_arg_list: q width {split[0]} must be a multiple of the head "
+                         f"dim (k width) {split[1]}")
+    key_part = qkv[..., split[0]:split[0] + split[1]]
+    shape = None
+    for name, freqs in (("q_freqs", q_freqs), ("k_freqs", k_freqs)):
+        try:
+            shape = check_rope_args(key_part, freqs, tensor_format, start_positions, None,
+                                    cp_size, cp_rank, interleaved, need_kernel)
+        except (TypeError, ValueError) as err:
+            raise type(err)(str(err).replace("freqs", name, 1)) from None
+    if q_freqs.shape[-1] != k_freqs.shape[-1]:
+        raise ValueError(f"q_freqs and k_freqs must rotate the same number of channels, got "
+                         f"{q_freqs.shape[-1]} and {k_freqs.shape[-1]}")
+    return shape, tuple(split)
+
+
+def _seq_batch_strides(x: torch.Tensor, tensor_format: str):
+    return (x.stride(0), x.stride(1)) if tensor_format == "sbhd" else (x.stride(1), x.stride(0))
+
+
+def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
+                          start_positions=None, interleaved=False, cp_size=1, cp_rank=0,
+                          grads=None):
+    """Fused QKV RoPE in one launch. Forward (grads=None): qkv [s, b, h_kv, q+k+v] (or bshd)
+    -> (q [.., h_kv*q/d, d], k [.., h_kv, d], v [.., h_kv, v]), contiguous. Backward
+    (grads=(dq, dk, dv), any strides): -> the packed gradient of qkv, contiguous."""
+    shape, (q_dim, k_dim, v_dim) = check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list,
+                                                  tensor_format, start_positions, cp_size,
+                                                  cp_rank, interleaved)
+    lead = qkv.shape[:2]
+    kv_heads, head_dim, q_per_kv = qkv.shape[2], k_dim, q_dim // k_dim
+    if grads is None:
+        q_in = qkv[..., :q_dim].unflatten(-1, (q_per_kv, head_dim))
+        k_in, v_in = qkv[..., q_dim:q_dim + k_dim], qkv[..., q_dim + k_dim:]
+        outs = (torch.empty(*lead, kv_heads * q_per_kv, head_dim, dtype=qkv.dtype, device=qkv.device),
+                torch.empty(*lead, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device),
+                torch.empty(*lead, kv_heads, v_dim, dtype=qkv.dtype, device=qkv.device))
+        q_out, k_out, v_out = outs[0].unflatten(2, (kv_heads, q_per_kv)), outs[1], outs[2]
+        result = outs
+    else:
+        dq, dk, dv = grads
+        want = ((*lead, kv_heads * q_per_kv, head_dim), (*lead, kv_heads, head_dim), (*lead, kv_heads, v_dim))
+        for name, g, shp in zip(("dq", "dk", "dv"), grads, want):
+            if tuple(g.shape) != shp or g.dtype != qkv.dtype:
+                raise ValueError(f"{name} must have shape {shp} and dtype {qkv.dtype}, got "
+                                 f"{tuple(g.shape)} {g.dtype}")
+        q_in, k_in, v_in = dq.unflatten(2, (kv_heads, q_per_kv)), dk, dv
+        result = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        q_out = result[..., :q_dim].unflatten(-1, (q_per_kv, head_dim))
+        k_out, v_out = result[..., q_dim:q_dim + k_dim], result[..., q_dim + k_dim:]
+    if qkv.numel() == 0:
+        return result
+    q_freqs, k_freqs = q_freqs.float(), k_freqs.float()
+    if start_positions is not None:
+        start_positions = start_positions.contiguous()
+
+    def strides5(x):   # (seq, batch, group, head, channel)
+        return (*_seq_batch_strides(x, tensor_format), x.stride(2), x.stride(3), x.stride(4))
+
+    def strides4(x):   # (seq, batch, head, channel)
+        return (*_seq_batch_strides(x, tensor_format), x.stride(2), x.stride(3))
+
+    tensors = (q_in, q_out, k_in, k_out, v_in, v_out)
+    widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in tensors)
+    grid, _, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
+                                  copy_pass=True)
+    block_h = meta["BLOCK_H"]
+    q_programs = triton.cdiv(kv_heads * q_per_kv, block_h)
+    k_programs = triton.cdiv(kv_heads, block_h)
+    block_v = min(triton.next_power_of_2(v_dim), 256)
+    rotary_qkv_kernel[(grid[0], q_programs + 2 * k_programs)](
+        q_out, k_out, v_out, q_in, k_in, v_in, q_freqs, k_freqs, start_positions,
+        shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
+        head_dim, v_dim, q_freqs.shape[0], k_freqs.shape[0], cp_size, cp_rank, q_programs,
+        k_programs, *strides5(q_in), *strides5(q_out), *strides4(k_in), *strides4(k_out),
+        *strides4(v_in), *strides4(v_out), q_freqs.stride(0), q_freqs.stride(3),
+        k_freqs.stride(0), k_freqs.stride(3), BLOCK_V=block_v, V_STEPS=triton.cdiv(v_dim, block_v),
+        BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
+        HAS_START=start_positions is not None, INTERLEAVED=interleaved,
+        WIDE_INNER=widest > _INT32_MAX, **meta)
+    return result

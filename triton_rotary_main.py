@@ -10,10 +10,12 @@ from typing import Optional
 
 import torch
 
-from triton_rotary_kernel import check_rope_args, set_rotary_kernel
+from triton_rotary_kernel import (check_qkv_args, check_rope_args, set_rotary_kernel,
+                                  set_rotary_qkv_kernel)
 
-__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "RopeForwardAndBackward",
-           "RotaryPositionEmbedding", "token_positions"]
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "apply_fused_qkv_rotary_pos_emb",
+           "RopeForwardAndBackward", "FusedQKVRopeForwardAndBackward", "RotaryPositionEmbedding",
+           "token_positions"]
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
@@ -220,3 +222,52 @@ def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs: torch.Tensor, tensor_fo
                          "apply_rotary_pos_emb, or call it under torch.no_grad()")
     return set_rotary_kernel(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
                              cp_size, cp_rank, out=t)
+
+
+class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
+    """Fused QKV: one launch forward (packed qkv -> q, k, v), one launch backward."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
+                interleaved, cp_size, cp_rank):
+        args = (tensor_format, start_positions, interleaved, cp_size, cp_rank)
+        ctx.save_for_backward(qkv, q_freqs, k_freqs, start_positions)
+        ctx.args = (list(qkv_split_arg_list), tensor_format, interleaved, cp_size, cp_rank)
+        return set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, list(qkv_split_arg_list), *args)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        qkv, q_freqs, k_freqs, start_positions = ctx.saved_tensors
+        split, tensor_format, interleaved, cp_size, cp_rank = ctx.args
+        dqkv = set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
+                                     interleaved, cp_size, cp_rank, grads=(dq, dk, dv))
+        return dqkv, None, None, None, None, None, None, None, None
+
+
+def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
+                 interleaved, cp_size, cp_rank):
+    check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
+                   cp_size, cp_rank, interleaved, need_kernel=False)
+    q, k, v = torch.split(qkv, list(qkv_split_arg_list), dim=-1)
+    q = q.reshape(*q.shape[:2], -1, qkv_split_arg_list[1])
+    rope = lambda x, f: _unfused_rope(x, f, tensor_format, start_positions, interleaved, None,  # noqa: E731
+                                      cp_size, cp_rank)
+    return rope(q, q_freqs), rope(k, k_freqs), v.contiguous()
+
+
+def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                                   qkv_split_arg_list, tensor_format: str = "sbhd",
+                                   start_positions: Optional[torch.Tensor] = None,
+                                   interleaved: bool = False, cp_size: int = 1, cp_rank: int = 0,
+                                   fused: bool = True):
+    """RoPE on a fused QKV projection (TE's `apply_fused_qkv_rotary_pos_emb`).
+
+    qkv: [s, b, h_kv, q + k + v] (sbhd) or [b, s, h_kv, q + k + v] (bshd), split along the last
+    dim by `qkv_split_arg_list` = [q, k, v] with k the head dim d and q a multiple of it.
+    Returns contiguous q [.., h_kv * q / d, d] rotated with q_freqs, k [.., h_kv, d] rotated with
+    k_freqs, and v [.., h_kv, v] unchanged: one kernel launch forward and one backward (which
+    writes the packed gradient of qkv). Other arguments as in `apply_rotary_pos_emb`.
+    """
+    fn = FusedQKVRopeForwardAndBackward.apply if fused else _unfused_qkv
+    return fn(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
+              interleaved, cp_size, cp_rank)
