@@ -16,6 +16,11 @@ DOCKER_RUN  = docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit
 RUNNER     ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo local)
 
 TEST_CMD   = -m pytest -q pytest_benchmark_cuda_triton_comparison.py $(TEST_ARGS)
+# Odd shapes under compute-sanitizer's memcheck; without PyTorch's caching allocator every
+# tensor is its own allocation, so an out-of-bounds access cannot land in a neighbour.
+SANITIZE   = PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+             --target-processes all
+SANITIZE_CMD = -m pytest -q -p no:cacheprovider pytest_benchmark_cuda_triton_comparison.py -k sanitize
 BENCH_CMD  = pytest_benchmark_cuda_triton_comparison.py
 
 .PHONY: build run test bench sanitize local-python
@@ -40,6 +45,8 @@ local-python:
 	fi
 
 ifeq ($(RUNNER),docker)
+sanitize:
+	$(DOCKER_RUN) $(IMAGE) env $(SANITIZE) python $(SANITIZE_CMD)
 test:
 	$(DOCKER_RUN) $(IMAGE) python $(TEST_CMD)
 bench:
@@ -50,6 +57,9 @@ test:
 	@PY=$$($(MAKE) -s local-python RUNNER=local) && \
 	PARALLEL=$$(if ! nvidia-smi -L >/dev/null 2>&1 && $$PY -c "import xdist" 2>/dev/null; then echo "-n auto"; fi) && \
 	$$PY $(TEST_CMD) $$PARALLEL
+sanitize:
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "make sanitize needs a CUDA GPU and compute-sanitizer" >&2; exit 1; }
+	@PY=$$($(MAKE) -s local-python RUNNER=local) && $(SANITIZE) $$PY $(SANITIZE_CMD)
 bench:
 	@nvidia-smi -L >/dev/null 2>&1 || { echo "make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)" >&2; exit 1; }
 	@PY=$$($(MAKE) -s local-python RUNNER=local) && $$PY $(BENCH_CMD) $(BENCH_ARGS)

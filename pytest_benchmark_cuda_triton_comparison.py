@@ -608,6 +608,7 @@ SANITIZE_CASES = [
 
 @pytest.mark.parametrize("case", SANITIZE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_sanitize_cases(case):
+    torch.manual_seed(14)
     case = dict(case)
     shape, transpose = case.pop("shape"), case.pop("transpose", None)
     rotary_dim, margin = case.pop("rotary_dim", shape[-1]), case.pop("margin", 0)
@@ -696,6 +697,21 @@ def test_context_parallel_across_processes(world_size, tensor_format, tmp_path):
     mp.start_processes(_cp_worker, args=(world_size, str(tmp_path / "rendezvous"), tensor_format, results),
                        nprocs=world_size, join=True, start_method="spawn")
     assert results.get() == "ok"
+
+
+@pytest.mark.parametrize("split,kv_heads,rotary_percent", [([3 * 80, 80, 48], 3, 0.5), ([2 * 72, 72, 72], 5, 1.0)])
+def test_sanitize_qkv(split, kv_heads, rotary_percent):
+    torch.manual_seed(13)
+    qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE, dtype=torch.bfloat16)
+    freqs = RotaryPositionEmbedding(split[1], rotary_percent, device=DEVICE)(9)
+    results = []
+    for fused, x in ((True, qkv), (False, qkv.float())):
+        x = x.detach().requires_grad_(True)
+        outs = apply_fused_qkv_rotary_pos_emb(x, freqs, freqs * 2, split, fused=fused)
+        torch.cat([o.flatten() for o in outs]).sum().backward()
+        results.append([o.detach().to(qkv.dtype) for o in outs] + [x.grad.to(qkv.dtype)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.slow
