@@ -210,7 +210,10 @@ def test_fused_qkv_rope(dtype, seq_length, hidden_size, rotary_percent, margin, 
         for out, ref_out in zip(outs, ref_outs):
             torch.testing.assert_close(out, ref_out)
             assert out.is_contiguous()
-        torch.testing.assert_close(grad, ref_grad)
+        # TE's fused-QKV backward takes no start_positions (nvte_fused_qkv_rope_backward), so
+        # its gradient ignores them; ours is checked against the unfused reference instead.
+        if not (reference == "te" and start_positions):
+            torch.testing.assert_close(grad, ref_grad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -783,6 +786,10 @@ _COMPILED = {}
 def _compiled(name, fn):
     """One torch.compile'd function per kind of call; dynamic shapes keep recompiles few."""
     if name not in _COMPILED:
+        # The backward mode replays one graph's backward (retain_graph=True), which AOT
+        # autograd's donated buffers forbid.
+        import torch._functorch.config
+        torch._functorch.config.donated_buffer = False
         _COMPILED[name] = torch.compile(fn, dynamic=True)
     return _COMPILED[name]
 

@@ -479,6 +479,49 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+# Launch plans (validated sizes, grid, scalar arguments, constexprs), keyed by the metadata
+# that the checks and the launch rule read. A repeated call skips both: small RoPE calls take
+# a few microseconds on the GPU, so host time per call decides their speed.
+_PLANS = {}
+_MAX_PLANS = 4096
+
+
+def _plan_key(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
+              interleaved, backward, out):
+    tensors = (t, freqs, start_positions, cu_seqlens, None if out is t else out)
+    if not all(x is None or isinstance(x, torch.Tensor) for x in tensors) or not isinstance(tensor_format, str):
+        return None          # not cacheable: let the checks name the bad argument
+    meta = tuple(None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in tensors)
+    return meta + (tensor_format, interleaved, type(interleaved), cp_size, type(cp_size), cp_rank,
+                   type(cp_rank), backward, out is t, _interpreting())
+
+
+def _make_plan(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
+               interleaved, backward, out):
+    shape = check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
+                            cp_rank, interleaved)
+    in_place = out is t
+    if in_place and _overlaps_itself(t):
+        raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
+                         "expanded tensor)")
+    x_strides = _token_strides(t, tensor_format)
+    out_strides = x_strides if in_place else (
+        _token_strides(out, tensor_format) if out is not None else
+        _token_strides(torch.empty(t.shape, device="meta"), tensor_format))
+    widest = max((shape.nheads - 1) * abs(s_h) + (shape.head_dim - 1) * abs(s_d)
+                 for _, _, s_h, s_d in (x_strides, out_strides))
+    is_thd = tensor_format == "thd"
+    grid, heads_per_program, meta = launch_config(shape, t.device, copy_pass=not in_place)
+    scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, heads_per_program,
+               shape.rotary_dim, shape.head_dim, freqs.shape[0], shape.batch,
+               max(shape.batch, 1).bit_length() if is_thd else 0, cp_size, cp_rank,
+               *x_strides, *out_strides, freqs.stride(0), freqs.stride(3))
+    constexprs = dict(INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
+                      SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
+                      WIDE_INNER=widest > _INT32_MAX, **meta)
+    return t.numel() == 0, grid, scalars, constexprs
+
+
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                       cu_seqlens=None, cp_size=1, cp_rank=0, backward=False, out=None):
     """Check the arguments, allocate the output, set up the grid and launch `rotary_kernel`.
@@ -488,17 +531,32 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     input. `out=t` rotates in place (channels past d2 are not touched); `t` must then not
     overlap itself in memory.
     """
-    shape = check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
-                            cp_rank, interleaved)
-    in_place = out is t
-    if in_place:
-        if _overlaps_itself(t):
-            raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
-                             "expanded tensor)")
-    elif out is None:
+    # freqs is used as float32 (cast, as TE does); the index tensors are read with unit stride.
+    if isinstance(freqs, torch.Tensor) and freqs.is_floating_point() and freqs.dtype != torch.float32:
+        freqs = freqs.float()
+    if isinstance(start_positions, torch.Tensor):
+        start_positions = start_positions.contiguous()
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.contiguous()
+    args = (t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
+            backward, out)
+    key = _plan_key(*args)
+    try:
+        plan = _PLANS.get(key) if key is not None else None
+    except TypeError:        # an unhashable argument: not cacheable, the checks will name it
+        key = plan = None
+    if plan is None:
+        plan = _make_plan(*args)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    empty, grid, scalars, constexprs = plan
+    if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    if t.numel() == 0:
-        return out
+    if not empty:
+        rotary_kernel[grid](out, t, freqs, start_positions, cu_seqlens, *scalars, **constexprs)
+    return out
     if freqs.dtype != torch.float32:
         freqs = freqs.float()
     # The kernel indexes these with unit stride (freqs, with any strides, it reads as strided).
