@@ -40,7 +40,7 @@ SIZES = {
                 qkv_seq_lengths=(2, 8, 2048, 4096), qkv_hidden_sizes=(64, 128, 256), kv_heads=8),
     "interpreter": dict(seq_lengths=(16, 24), batch=2, heads=3, hidden_sizes=(128, 256), margin=10,
                         thd_cu_seqlens=(0, 5, 12, 13, 13, 30, 36),
-                        qkv_seq_lengths=(2, 8, 16, 24), qkv_hidden_sizes=(64, 128, 256), kv_heads=2),
+                        qkv_seq_lengths=(2, 8, 24), qkv_hidden_sizes=(64, 128, 256), kv_heads=2),
 }[("gpu" if ON_GPU else "interpreter")]
 
 

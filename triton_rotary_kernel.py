@@ -486,14 +486,28 @@ _PLANS = {}
 _MAX_PLANS = 4096
 
 
-def _plan_key(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
-              interleaved, backward, out):
-    tensors = (t, freqs, start_positions, cu_seqlens, None if out is t else out)
-    if not all(x is None or isinstance(x, torch.Tensor) for x in tensors) or not isinstance(tensor_format, str):
-        return None          # not cacheable: let the checks name the bad argument
+def _metadata_key(tensors, *values):
+    """Everything a plan depends on: tensors' metadata (never their values) and the other
+    arguments with their types; None where an argument is not a tensor (the checks will say)."""
+    if not all(x is None or isinstance(x, torch.Tensor) for x in tensors):
+        return None
     meta = tuple(None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in tensors)
-    return meta + (tensor_format, interleaved, type(interleaved), cp_size, type(cp_size), cp_rank,
-                   type(cp_rank), backward, out is t, _interpreting())
+    return meta + tuple((v, type(v)) for v in values) + (_interpreting(),)
+
+
+def _cached_plan(key, make):
+    """The plan stored under `key`, made (and so validated) on first use."""
+    try:
+        plan = _PLANS.get(key) if key is not None else None
+    except TypeError:        # an unhashable argument: not cacheable, the checks will name it
+        key = plan = None
+    if plan is None:
+        plan = make()
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
 
 
 def _make_plan(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
@@ -538,19 +552,11 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         start_positions = start_positions.contiguous()
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.contiguous()
-    args = (t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
-            backward, out)
-    key = _plan_key(*args)
-    try:
-        plan = _PLANS.get(key) if key is not None else None
-    except TypeError:        # an unhashable argument: not cacheable, the checks will name it
-        key = plan = None
-    if plan is None:
-        plan = _make_plan(*args)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+    key = _metadata_key((t, freqs, start_positions, cu_seqlens, None if out is t else out), "rope",
+                        tensor_format, interleaved, cp_size, cp_rank, backward, out is t)
+    plan = _cached_plan(key, lambda: _make_plan(t, freqs, tensor_format, start_positions,
+                                                cu_seqlens, cp_size, cp_rank, interleaved,
+                                                backward, out))
     empty, grid, scalars, constexprs = plan
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -620,64 +626,84 @@ def _seq_batch_strides(x: torch.Tensor, tensor_format: str):
     return (x.stride(0), x.stride(1)) if tensor_format == "sbhd" else (x.stride(1), x.stride(0))
 
 
+def _qkv_views(qkv, split, grads, result):
+    """(q, k, v) in and out views for the kernel: q as [.., kv heads, q heads per kv, d]."""
+    q_dim, k_dim, _ = split
+    q_per_kv, kv_heads = q_dim // k_dim, qkv.shape[2]
+    packed = qkv if grads is None else result
+    q_packed = packed[..., :q_dim].unflatten(-1, (q_per_kv, k_dim))
+    k_packed, v_packed = packed[..., q_dim:q_dim + k_dim], packed[..., q_dim + k_dim:]
+    if grads is None:
+        return (q_packed, result[0].unflatten(2, (kv_heads, q_per_kv)), k_packed, result[1],
+                v_packed, result[2])
+    dq, dk, dv = grads
+    return dq.unflatten(2, (kv_heads, q_per_kv)), q_packed, dk, k_packed, dv, v_packed
+
+
+def _qkv_outputs(qkv, split, grads):
+    lead, kv_heads = qkv.shape[:2], qkv.shape[2]
+    new = functools.partial(torch.empty, dtype=qkv.dtype, device=qkv.device)
+    if grads is not None:
+        return new(qkv.shape)
+    q_dim, k_dim, v_dim = split
+    return (new(*lead, kv_heads * (q_dim // k_dim), k_dim), new(*lead, kv_heads, k_dim),
+            new(*lead, kv_heads, v_dim))
+
+
+def _make_qkv_plan(qkv, q_freqs, k_freqs, split, tensor_format, start_positions, interleaved,
+                   cp_size, cp_rank, grads):
+    shape, split = check_qkv_args(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
+                                  cp_size, cp_rank, interleaved)
+    q_dim, k_dim, v_dim = split
+    kv_heads, q_per_kv = qkv.shape[2], q_dim // k_dim
+    if grads is not None:
+        want = [(*qkv.shape[:2], kv_heads * q_per_kv, k_dim), (*qkv.shape[:2], kv_heads, k_dim),
+                (*qkv.shape[:2], kv_heads, v_dim)]
+        for name, g, shp in zip(("dq", "dk", "dv"), grads, want):
+            if tuple(g.shape) != shp or g.dtype != qkv.dtype or g.device != qkv.device:
+                raise ValueError(f"{name} must have shape {shp}, dtype {qkv.dtype} and device "
+                                 f"{qkv.device}, got {tuple(g.shape)} {g.dtype} {g.device}")
+    views = _qkv_views(qkv, split, grads, _qkv_outputs(qkv.to("meta"), split, grads))
+    widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in views)
+    grid, _, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
+                                  copy_pass=True)
+    q_programs = triton.cdiv(kv_heads * q_per_kv, meta["BLOCK_H"])
+    k_programs = triton.cdiv(kv_heads, meta["BLOCK_H"])
+    block_v = min(triton.next_power_of_2(v_dim), 256)
+    # (seq, batch, then the remaining dims) strides of each view, in the kernel's order.
+    strides = [s for x in views for s in (*_seq_batch_strides(x, tensor_format), *x.stride()[2:])]
+    scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
+               k_dim, v_dim, q_freqs.shape[0], k_freqs.shape[0], cp_size, cp_rank, q_programs,
+               k_programs, *strides, q_freqs.stride(0), q_freqs.stride(3), k_freqs.stride(0),
+               k_freqs.stride(3))
+    constexprs = dict(BLOCK_V=block_v, V_STEPS=triton.cdiv(v_dim, block_v),
+                      BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
+                      HAS_START=start_positions is not None, INTERLEAVED=interleaved,
+                      WIDE_INNER=widest > _INT32_MAX, **meta)
+    return split, qkv.numel() == 0, (grid[0], q_programs + 2 * k_programs), scalars, constexprs
+
+
 def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
                           start_positions=None, interleaved=False, cp_size=1, cp_rank=0,
                           grads=None):
     """Fused QKV RoPE in one launch. Forward (grads=None): qkv [s, b, h_kv, q+k+v] (or bshd)
     -> (q [.., h_kv*q/d, d], k [.., h_kv, d], v [.., h_kv, v]), contiguous. Backward
     (grads=(dq, dk, dv), any strides): -> the packed gradient of qkv, contiguous."""
-    shape, (q_dim, k_dim, v_dim) = check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list,
-                                                  tensor_format, start_positions, cp_size,
-                                                  cp_rank, interleaved)
-    lead = qkv.shape[:2]
-    kv_heads, head_dim, q_per_kv = qkv.shape[2], k_dim, q_dim // k_dim
-    if grads is None:
-        q_in = qkv[..., :q_dim].unflatten(-1, (q_per_kv, head_dim))
-        k_in, v_in = qkv[..., q_dim:q_dim + k_dim], qkv[..., q_dim + k_dim:]
-        outs = (torch.empty(*lead, kv_heads * q_per_kv, head_dim, dtype=qkv.dtype, device=qkv.device),
-                torch.empty(*lead, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device),
-                torch.empty(*lead, kv_heads, v_dim, dtype=qkv.dtype, device=qkv.device))
-        q_out, k_out, v_out = outs[0].unflatten(2, (kv_heads, q_per_kv)), outs[1], outs[2]
-        result = outs
-    else:
-        dq, dk, dv = grads
-        want = ((*lead, kv_heads * q_per_kv, head_dim), (*lead, kv_heads, head_dim), (*lead, kv_heads, v_dim))
-        for name, g, shp in zip(("dq", "dk", "dv"), grads, want):
-            if tuple(g.shape) != shp or g.dtype != qkv.dtype:
-                raise ValueError(f"{name} must have shape {shp} and dtype {qkv.dtype}, got "
-                                 f"{tuple(g.shape)} {g.dtype}")
-        q_in, k_in, v_in = dq.unflatten(2, (kv_heads, q_per_kv)), dk, dv
-        result = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        q_out = result[..., :q_dim].unflatten(-1, (q_per_kv, head_dim))
-        k_out, v_out = result[..., q_dim:q_dim + k_dim], result[..., q_dim + k_dim:]
-    if qkv.numel() == 0:
-        return result
-    q_freqs, k_freqs = q_freqs.float(), k_freqs.float()
-    if start_positions is not None:
+    if isinstance(q_freqs, torch.Tensor) and q_freqs.is_floating_point():
+        q_freqs = q_freqs.float()
+    if isinstance(k_freqs, torch.Tensor) and k_freqs.is_floating_point():
+        k_freqs = k_freqs.float()
+    if isinstance(start_positions, torch.Tensor):
         start_positions = start_positions.contiguous()
-
-    def strides5(x):   # (seq, batch, group, head, channel)
-        return (*_seq_batch_strides(x, tensor_format), x.stride(2), x.stride(3), x.stride(4))
-
-    def strides4(x):   # (seq, batch, head, channel)
-        return (*_seq_batch_strides(x, tensor_format), x.stride(2), x.stride(3))
-
-    tensors = (q_in, q_out, k_in, k_out, v_in, v_out)
-    widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in tensors)
-    grid, _, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
-                                  copy_pass=True)
-    block_h = meta["BLOCK_H"]
-    q_programs = triton.cdiv(kv_heads * q_per_kv, block_h)
-    k_programs = triton.cdiv(kv_heads, block_h)
-    block_v = min(triton.next_power_of_2(v_dim), 256)
-    rotary_qkv_kernel[(grid[0], q_programs + 2 * k_programs)](
-        q_out, k_out, v_out, q_in, k_in, v_in, q_freqs, k_freqs, start_positions,
-        shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
-        head_dim, v_dim, q_freqs.shape[0], k_freqs.shape[0], cp_size, cp_rank, q_programs,
-        k_programs, *strides5(q_in), *strides5(q_out), *strides4(k_in), *strides4(k_out),
-        *strides4(v_in), *strides4(v_out), q_freqs.stride(0), q_freqs.stride(3),
-        k_freqs.stride(0), k_freqs.stride(3), BLOCK_V=block_v, V_STEPS=triton.cdiv(v_dim, block_v),
-        BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
-        HAS_START=start_positions is not None, INTERLEAVED=interleaved,
-        WIDE_INNER=widest > _INT32_MAX, **meta)
+    split = tuple(qkv_split_arg_list) if isinstance(qkv_split_arg_list, (list, tuple)) else qkv_split_arg_list
+    key = _metadata_key((qkv, q_freqs, k_freqs, start_positions, *(grads or ())), "qkv", split,
+                        tensor_format, interleaved, cp_size, cp_rank, grads is None)
+    split, empty, grid, scalars, constexprs = _cached_plan(key, lambda: _make_qkv_plan(
+        qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions, interleaved,
+        cp_size, cp_rank, grads))
+    result = _qkv_outputs(qkv, split, grads)
+    if not empty:
+        q_in, q_out, k_in, k_out, v_in, v_out = _qkv_views(qkv, split, grads, result)
+        rotary_qkv_kernel[grid](q_out, k_out, v_out, q_in, k_in, v_in, q_freqs, k_freqs,
+                                start_positions, *scalars, **constexprs)
     return result
