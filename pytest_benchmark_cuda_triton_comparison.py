@@ -89,15 +89,21 @@ def _random_start_positions(batch, margin):
     return torch.randint(0, margin, (batch,), dtype=torch.int32, device=DEVICE)
 
 
+def _te_matrix_axes(test):
+    """The axes TE's three RoPE test matrices share; `reference` adds the comparison with TE's
+    own kernel to the one with the unfused float32 formula."""
+    for name, values in (("loss_func", [_overlapping_grad, _non_overlapping_grad]),
+                         ("interleaved", [False, True]), ("cp_size", [1, 2]),
+                         ("start_positions", [False, True]), ("reference", ["unfused", "te"])):
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
 # ---------------------------------------------------------------------------------------------
 # TE's test matrix (tests/pytorch/test_fused_rope.py)
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("reference", ["unfused", "te"])
-@pytest.mark.parametrize("start_positions", [False, True])
-@pytest.mark.parametrize("cp_size", [1, 2])
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("loss_func", [_overlapping_grad, _non_overlapping_grad])
+@_te_matrix_axes
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
 @pytest.mark.parametrize("transpose", [None, (0, 1), (2, 3)])
 @pytest.mark.parametrize("margin", [0, SIZES["margin"]])
@@ -133,11 +139,7 @@ def _padded_cu_seqlens(cu_seqlens, cp_size):
     return padded
 
 
-@pytest.mark.parametrize("reference", ["unfused", "te"])
-@pytest.mark.parametrize("start_positions", [False, True])
-@pytest.mark.parametrize("cp_size", [1, 2])
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("loss_func", [_overlapping_grad, _non_overlapping_grad])
+@_te_matrix_axes
 @pytest.mark.parametrize("transpose", [None, (1, 2)])
 @pytest.mark.parametrize("rotary_percent", [0.5, 1.0])
 @pytest.mark.parametrize("hidden_size", SIZES["hidden_sizes"])
@@ -169,11 +171,7 @@ def _te_qkv():
     return fn
 
 
-@pytest.mark.parametrize("reference", ["unfused", "te"])
-@pytest.mark.parametrize("start_positions", [False, True])
-@pytest.mark.parametrize("cp_size", [1, 2])
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("loss_func", [_overlapping_grad, _non_overlapping_grad])
+@_te_matrix_axes
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
 @pytest.mark.parametrize("margin", [0, SIZES["margin"]])
 @pytest.mark.parametrize("rotary_percent", [0.5, 1.0])
