@@ -299,8 +299,8 @@ TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-# Launch rule, from sweeps on an H200 (README, "Results and analysis"). A program moves all heads of one
-# token when they hold at least ONE_TOKEN_ELEMENTS rotary channels, otherwise of
+# Launch rule, from sweeps on an H200 (README, "Results and analysis"). A program moves all
+# heads of one token when they hold at least ONE_TOKEN_ELEMENTS rotary channels, otherwise of
 # FEW_HEADS_TOKENS tokens, walking the heads STEP_ELEMENTS channels at a time; heads are split
 # over programs only when fewer than MIN_PROGRAMS_PER_SM programs per SM would remain.
 ONE_TOKEN_ELEMENTS = 4096
