@@ -44,10 +44,11 @@ SIZES = {
 }[("gpu" if ON_GPU else "interpreter")]
 
 
-def _te():
-    fn, reason = load_te_rope()
+def _te(loader=load_te_rope):
+    """TE's fused RoPE (or fused-QKV RoPE with loader=load_te_qkv_rope), else skip with why."""
+    fn, reason = loader()
     if fn is None:
-        pytest.skip(f"Transformer Engine's fused RoPE unavailable: {reason}")
+        pytest.skip(f"Transformer Engine's {loader.__name__[5:]} unavailable: {reason}")
     return fn
 
 
@@ -164,13 +165,6 @@ def test_fused_rope_thd(dtype, hidden_size, rotary_percent, transpose, loss_func
                  cp_size=cp_size, cp_rank=cp_rank)
 
 
-def _te_qkv():
-    fn, reason = load_te_qkv_rope()
-    if fn is None:
-        pytest.skip(f"Transformer Engine's fused QKV RoPE unavailable: {reason}")
-    return fn
-
-
 @_te_matrix_axes
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
 @pytest.mark.parametrize("margin", [0, SIZES["margin"]])
@@ -195,7 +189,7 @@ def test_fused_qkv_rope(dtype, seq_length, hidden_size, rotary_percent, margin, 
     q_freqs = RotaryPositionEmbedding(hidden_size, rotary_percent, interleaved=interleaved,
                                       device=DEVICE)(seq_length * cp_size)
     k_freqs = q_freqs * 0.5              # distinct angles for k, to catch a q/k mix-up
-    ref_fn = _te_qkv() if reference == "te" else functools.partial(apply_fused_qkv_rotary_pos_emb, fused=False)
+    ref_fn = _te(load_te_qkv_rope) if reference == "te" else functools.partial(apply_fused_qkv_rotary_pos_emb, fused=False)
     for cp_rank in range(cp_size):
         results = []
         for fn, x in ((apply_fused_qkv_rotary_pos_emb, qkv), (ref_fn, qkv if reference == "te" else qkv.float())):
