@@ -44,11 +44,11 @@ SIZES = {
 }[("gpu" if ON_GPU else "interpreter")]
 
 
-def _te(loader=load_te_rope):
-    """TE's fused RoPE (or fused-QKV RoPE with loader=load_te_qkv_rope), else skip with why."""
+def _te(loader=load_te_rope, what="fused RoPE"):
+    """TE's fused RoPE (or another of its functions, by loader), else skip saying why."""
     fn, reason = loader()
     if fn is None:
-        pytest.skip(f"Transformer Engine's {loader.__name__[5:]} unavailable: {reason}")
+        pytest.skip(f"Transformer Engine's {what} unavailable: {reason}")
     return fn
 
 
@@ -189,7 +189,7 @@ def test_fused_qkv_rope(dtype, seq_length, hidden_size, rotary_percent, margin, 
     q_freqs = RotaryPositionEmbedding(hidden_size, rotary_percent, interleaved=interleaved,
                                       device=DEVICE)(seq_length * cp_size)
     k_freqs = q_freqs * 0.5              # distinct angles for k, to catch a q/k mix-up
-    ref_fn = _te(load_te_qkv_rope) if reference == "te" else functools.partial(apply_fused_qkv_rotary_pos_emb, fused=False)
+    ref_fn = _te(load_te_qkv_rope, "fused QKV RoPE") if reference == "te" else functools.partial(apply_fused_qkv_rotary_pos_emb, fused=False)
     for cp_rank in range(cp_size):
         results = []
         for fn, x in ((apply_fused_qkv_rotary_pos_emb, qkv), (ref_fn, qkv if reference == "te" else qkv.float())):
