@@ -829,16 +829,16 @@ def _workload(sweep, params, dtype):
                "copy": copy}
 
 
-def _time_point(fn, mode, t):
+def _time_point(fn, mode, t, is_copy):
     def as_tuple(out):
         return out if isinstance(out, tuple) else (out,)
 
     if mode == "forward":
         with torch.no_grad():
             return _bench_ms(lambda: fn(t))
-    x = t.detach().requires_grad_(True)
-    if fn.__name__ == "copy":   # the roofline of a backward is one more copy
+    if is_copy:   # the roofline of a backward is one more copy
         return _bench_ms(lambda: fn(t)) if mode == "backward" else _bench_ms(lambda: (fn(t), fn(t)))
+    x = t.detach().requires_grad_(True)
     grads = [torch.randn_like(o) for o in as_tuple(fn(x))]
     if mode == "backward":
         out = as_tuple(fn(x))
@@ -861,11 +861,8 @@ def _make_benchmark(sweep, dtype_name, mode, results):
         args={k: v for k, v in BENCH_DEFAULTS.items() if k != sweep}))
     def bench(provider, **params):
         t, fns = _workload(sweep, params, dtype)
-        fn = fns[provider]
-        if provider == "copy":
-            fn.__name__ = "copy"
         try:
-            timing = _time_point(fn, mode, t)
+            timing = _time_point(fns[provider], mode, t, is_copy=provider == "copy")
         except Exception as err:  # e.g. torch.compile failing on this torch: leave the point out
             print(f"  {PROVIDERS[provider]} failed at {sweep}={params[sweep]}: {err!r}", flush=True)
             return float("nan"), float("nan"), float("nan")
