@@ -563,32 +563,6 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     if not empty:
         rotary_kernel[grid](out, t, freqs, start_positions, cu_seqlens, *scalars, **constexprs)
     return out
-    if freqs.dtype != torch.float32:
-        freqs = freqs.float()
-    # The kernel indexes these with unit stride (freqs, with any strides, it reads as strided).
-    if start_positions is not None:
-        start_positions = start_positions.contiguous()
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.contiguous()
-
-    x_strides = _token_strides(t, tensor_format)
-    out_strides = _token_strides(out, tensor_format)
-    widest = max(
-        (shape.nheads - 1) * abs(s_h) + (shape.head_dim - 1) * abs(s_d)
-        for _, _, s_h, s_d in (x_strides, out_strides))
-    is_thd = tensor_format == "thd"
-    num_seqs = shape.batch
-    grid, heads_per_program, meta = launch_config(shape, t.device, copy_pass=not in_place)
-    rotary_kernel[grid](
-        out, t, freqs, start_positions, cu_seqlens,
-        shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, heads_per_program,
-        shape.rotary_dim, shape.head_dim, freqs.shape[0],
-        num_seqs, max(num_seqs, 1).bit_length() if is_thd else 0, cp_size, cp_rank,
-        *x_strides, *out_strides, freqs.stride(0), freqs.stride(3),
-        INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
-        SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
-        WIDE_INNER=widest > _INT32_MAX, **meta)
-    return out
 
 
 def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
