@@ -505,26 +505,48 @@ def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
         apply_rotary_pos_emb(t, RotaryPositionEmbedding(16, device="cpu")(8))
 
 
-@pytest.mark.parametrize("tokens_per_program,step,min_programs", [(1, 16, 0), (3, 64, 0), (4, 32, 1000)])
-def test_other_launch_configs(monkeypatch, tokens_per_program, step, min_programs):
-    """Tails of the token grid, several head steps per program and heads split over programs
-    (the configurations a big GPU picks for small inputs) give the same result."""
+@pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
+def test_other_launch_configs(monkeypatch, tile, min_programs):
+    """Tiles from one channel row up to several tokens (within or across batch entries and
+    thd sequences), tails of the token grid, and tiles shrunk to give a big GPU enough
+    programs: all give the same result."""
     if ON_GPU:
-        monkeypatch.setattr(triton_rotary_kernel, "FEW_HEADS_TOKENS", tokens_per_program)
-        monkeypatch.setattr(triton_rotary_kernel, "STEP_ELEMENTS", step * tokens_per_program)
+        monkeypatch.setattr(triton_rotary_kernel, "MIN_TILE_ELEMENTS", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "MAX_TILE_ELEMENTS", tile)
         monkeypatch.setattr(triton_rotary_kernel, "MIN_PROGRAMS_PER_SM", min_programs)
     else:
-        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_TILE_ELEMENTS", step * tokens_per_program)
+        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_TILE_ELEMENTS", tile)
         monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_MIN_PROGRAMS", min_programs)
     torch.manual_seed(9)
     for interleaved in (False, True):
-        t = torch.randn(7, 3, 5, 24, device=DEVICE)
         freqs = RotaryPositionEmbedding(16, interleaved=interleaved, device=DEVICE)(7)
-        _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs, interleaved=interleaved)
+        for batch in (3, 4):
+            t = torch.randn(7, batch, 5, 24, device=DEVICE)
+            _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs,
+                     interleaved=interleaved)
         cu = torch.tensor([0, 2, 9, 13], dtype=torch.int32, device=DEVICE)
         t = torch.randn(15, 5, 24, device=DEVICE)
         _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs, interleaved=interleaved,
                  tensor_format="thd", cu_seqlens=cu)
+
+
+def test_repeated_calls_and_misaligned_views():
+    """Calls with the same metadata reuse one launch plan (on a GPU: the compiled kernel called
+    directly), and a view whose data starts off 16-byte alignment gets a kernel of its own:
+    every call matches the unfused formula, forward and backward, QKV included."""
+    torch.manual_seed(21)
+    shape, split = (8, 2, 3, 16), [32, 16, 16]
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    storage = torch.empty(8 * 2 * 3 * 64 + 1, device=DEVICE)
+    for offset in (0, 1, 0, 1, 1, 0):
+        storage.normal_()
+        t = storage[offset:offset + 8 * 2 * 3 * 16].view(shape)
+        _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs)
+        qkv = storage[offset:offset + 8 * 2 * 3 * 64].view(8, 2, 3, 64)
+        outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split)
+        refs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, fused=False)
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out, ref)
 
 
 def _compiled_variants():

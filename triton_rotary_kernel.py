@@ -33,17 +33,15 @@ _NAN_BITS = tl.constexpr(0x7FC00000)
                                "cp_size", "cp_rank", "freqs_len"])
 def rotary_kernel(
     OUT, X, FREQS, START_POSITIONS, CU_SEQLENS,
-    num_tokens, seq_len, batch, nheads, heads_per_program, rotary_dim, head_dim,
-    freqs_len,
+    num_tokens, seq_len, batch, nheads, rotary_dim, head_dim, freqs_len,
     num_seqs, search_steps, cp_size, cp_rank,
     stride_x_seq, stride_x_batch, stride_x_head, stride_x_dim,
     stride_out_seq, stride_out_batch, stride_out_head, stride_out_dim,
     stride_freqs_seq, stride_freqs_dim,
     BLOCK_T: tl.constexpr,       # tokens per program
-    BLOCK_H: tl.constexpr,       # heads per step of the loop over a program's heads
+    BLOCK_H: tl.constexpr,       # heads per program
     BLOCK_HALF: tl.constexpr,    # power of two >= rotary_dim // 2
-    BLOCK_PASS: tl.constexpr,    # chunk of the pass-through channels (past rotary_dim)
-    PASS_STEPS: tl.constexpr,    # chunks to copy; 0 in place (those channels stay put)
+    BLOCK_PASS: tl.constexpr,    # power of two >= head_dim - rotary_dim; 0: leave them (in place)
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr,
@@ -51,39 +49,115 @@ def rotary_kernel(
     HAS_START: tl.constexpr,
     WIDE_INNER: tl.constexpr,    # offsets inside one token may exceed int32 (exotic strides)
 ):
-    # A program owns BLOCK_T tokens and `heads_per_program` of their heads, and walks the heads
-    # in tiles [BLOCK_T, BLOCK_H, channels]. cos/sin depend on (token, channel) only: they are
-    # computed once per program and shared by all its heads.
-    tok, tok_ok, in_seq, seq_idx, batch_idx, pos = _token_positions(
-        START_POSITIONS, CU_SEQLENS, num_tokens, seq_len, batch, num_seqs, search_steps, cp_size,
-        cp_rank, BLOCK_T, IS_THD, SEQ_MAJOR, HAS_START)
-    if IS_THD:
-        x_row = tok.to(tl.int64) * stride_x_seq
-        out_row = tok.to(tl.int64) * stride_out_seq
-    else:
-        x_row = seq_idx.to(tl.int64) * stride_x_seq + batch_idx.to(tl.int64) * stride_x_batch
-        out_row = seq_idx.to(tl.int64) * stride_out_seq + batch_idx.to(tl.int64) * stride_out_batch
-    cos1, cos2, sin_a, sin_b = _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq,
-                                         stride_freqs_dim, X.dtype.element_ty, BLOCK_T,
-                                         BLOCK_HALF, INTERLEAVED, BACKWARD)
-    head_start = tl.program_id(1) * heads_per_program
-    head_end = tl.minimum(head_start + heads_per_program, nheads)
-    for h0 in range(head_start, head_end, BLOCK_H):
-        _rotate_heads(OUT, X, x_row, out_row, h0, head_end, 1, stride_x_head, stride_x_head,
-                      stride_out_head, stride_out_head, tok_ok, in_seq, cos1, cos2, sin_a, sin_b,
-                      rotary_dim, head_dim, stride_x_dim, stride_out_dim, BLOCK_T, BLOCK_H,
-                      BLOCK_HALF, BLOCK_PASS, PASS_STEPS, INTERLEAVED, IS_THD, WIDE_INNER)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, 1,
+               stride_x_seq, stride_x_batch, stride_x_head, stride_x_head, stride_x_dim,
+               stride_out_seq, stride_out_batch, stride_out_head, stride_out_head, stride_out_dim,
+               stride_freqs_seq, stride_freqs_dim, freqs_len, rotary_dim, head_dim, num_tokens,
+               seq_len, batch, num_seqs, search_steps, cp_size, cp_rank, BLOCK_T, BLOCK_H,
+               BLOCK_HALF, BLOCK_PASS, INTERLEAVED, BACKWARD, IS_THD, SEQ_MAJOR, HAS_START,
+               WIDE_INNER)
 
 
 @triton.jit
-def _token_positions(START_POSITIONS, CU_SEQLENS, num_tokens, seq_len, batch, num_seqs,
-                     search_steps, cp_size, cp_rank, BLOCK_T: tl.constexpr,
-                     IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr):
-    """The program's tokens: index, validity, sequence membership, (seq, batch) indices and
-    position (row of freqs)."""
+def _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, heads_per_group,
+               stride_x_seq, stride_x_batch, stride_x_group, stride_x_head, stride_x_dim,
+               stride_out_seq, stride_out_batch, stride_out_group, stride_out_head, stride_out_dim,
+               stride_freqs_seq, stride_freqs_dim, freqs_len, rotary_dim, head_dim, num_tokens,
+               seq_len, batch, num_seqs, search_steps, cp_size, cp_rank,
+               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+               IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr,
+               WIDE_INNER: tl.constexpr):
+    """Rotate one tile: the program's BLOCK_T tokens times the given BLOCK_H heads.
+
+    All loads of the tile are issued first, and positions and cos/sin are worked out while
+    they are in flight: RoPE is a copy with a little arithmetic, so its speed is how well
+    the load latency is hidden. Head j sits at (j // heads_per_group) * stride_group +
+    (j % heads_per_group) * stride_head: j * stride_head for ordinary tensors
+    (heads_per_group = 1); the query heads of a packed [.., kv_heads, q|k|v] tensor otherwise.
+    """
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)             # [T]
     tok_ok = tok < num_tokens
     tok = tl.minimum(tok, num_tokens - 1)
+    seq_idx, batch_idx = _token_coords(tok, seq_len, batch, IS_THD, SEQ_MAJOR)
+    mask_th = tok_ok[:, None, None] & (heads < nheads)[None, :, None]      # [T, H, 1]
+    if WIDE_INNER:
+        heads = heads.to(tl.int64)
+    group, sub = heads // heads_per_group, heads % heads_per_group
+    x_base = (X + (seq_idx.to(tl.int64) * stride_x_seq + batch_idx.to(tl.int64) * stride_x_batch)[:, None, None]
+              + (group * stride_x_group + sub * stride_x_head)[None, :, None])
+    out_base = (OUT + (seq_idx.to(tl.int64) * stride_out_seq + batch_idx.to(tl.int64) * stride_out_batch)[:, None, None]
+                + (group * stride_out_group + sub * stride_out_head)[None, :, None])
+    compute_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+
+    # Loads. Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
+    # registers rather than gathered with stride 2.
+    half = rotary_dim // 2
+    offs_k = tl.arange(0, BLOCK_HALF)
+    offs_d = tl.arange(0, 2 * BLOCK_HALF)
+    if WIDE_INNER:
+        offs_k = offs_k.to(tl.int64)
+        offs_d = offs_d.to(tl.int64)
+    if INTERLEAVED:
+        mask = mask_th & (offs_d < rotary_dim)[None, None, :]
+        x = tl.load(x_base + offs_d[None, None, :] * stride_x_dim, mask=mask, other=0.0)
+        x1, x2 = tl.split(tl.reshape(x.to(compute_dtype), [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
+    else:
+        mask = mask_th & (offs_k < half)[None, None, :]
+        x1_ptrs = x_base + offs_k[None, None, :] * stride_x_dim
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(compute_dtype)
+        x2 = tl.load(x1_ptrs + half * stride_x_dim, mask=mask, other=0.0).to(compute_dtype)
+    if BLOCK_PASS > 0:
+        # Channels rotary_dim..head_dim are copied through.
+        offs_p = rotary_dim + tl.arange(0, BLOCK_PASS)
+        if WIDE_INNER:
+            offs_p = offs_p.to(tl.int64)
+        mask_p = mask_th & (offs_p < head_dim)[None, None, :]
+        x_pass = tl.load(x_base + offs_p[None, None, :] * stride_x_dim, mask=mask_p)
+
+    # Positions and cos/sin, shared by all heads of the tile.
+    in_seq, pos = _positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len,
+                             num_seqs, search_steps, cp_size, cp_rank, IS_THD, HAS_START)
+    cos1, cos2, sin_a, sin_b = _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq,
+                                         stride_freqs_dim, compute_dtype, BLOCK_T, BLOCK_HALF,
+                                         INTERLEAVED, BACKWARD)
+    out1 = x1 * cos1 - x2 * sin_a
+    out2 = x2 * cos2 + x1 * sin_b
+    if IS_THD:
+        # Tokens outside every sequence pass through unchanged.
+        out1 = tl.where(in_seq[:, None, None], out1, x1)
+        out2 = tl.where(in_seq[:, None, None], out2, x2)
+
+    out_ty = OUT.dtype.element_ty
+    if INTERLEAVED:
+        out = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(out_base + offs_d[None, None, :] * stride_out_dim, out.to(out_ty), mask=mask)
+    else:
+        out1_ptrs = out_base + offs_k[None, None, :] * stride_out_dim
+        tl.store(out1_ptrs, out1.to(out_ty), mask=mask)
+        tl.store(out1_ptrs + half * stride_out_dim, out2.to(out_ty), mask=mask)
+    if BLOCK_PASS > 0:
+        tl.store(out_base + offs_p[None, None, :] * stride_out_dim, x_pass, mask=mask_p)
+
+
+@triton.jit
+def _token_coords(tok, seq_len, batch, IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr):
+    """(sequence, batch) index of each token; thd rows are addressed by the token alone."""
+    if IS_THD:
+        return tok, tok * 0
+    if SEQ_MAJOR:
+        return tok // batch, tok % batch
+    return tok % seq_len, tok // seq_len
+
+
+@triton.jit
+def _positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len, num_seqs,
+               search_steps, cp_size, cp_rank, IS_THD: tl.constexpr, HAS_START: tl.constexpr):
+    """(in_seq, pos): whether each token lies inside a thd sequence (always, otherwise) and
+    its position, i.e. its row of freqs."""
+    in_seq = tok >= 0
+    local_len = seq_len
     if IS_THD:
         # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
         # each sequence. Binary search for the last sequence starting at or before the token.
@@ -97,20 +171,10 @@ def _token_positions(START_POSITIONS, CU_SEQLENS, num_tokens, seq_len, batch, nu
         batch_idx = lo
         seq_start = tl.load(CU_SEQLENS + batch_idx) // cp_size
         seq_end = tl.load(CU_SEQLENS + tl.minimum(batch_idx + 1, num_seqs)) // cp_size
-        # Tokens outside every sequence (before cu_seqlens[0] or from cu_seqlens[-1] on) are
-        # copied through unchanged.
+        # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
         in_seq = (tok >= seq_start) & (tok < seq_end)
         seq_idx = tok - seq_start
         local_len = seq_end - seq_start
-    else:
-        if SEQ_MAJOR:
-            seq_idx = tok // batch
-            batch_idx = tok % batch
-        else:
-            batch_idx = tok // seq_len
-            seq_idx = tok % seq_len
-        local_len = seq_len
-        in_seq = tok_ok
     # Context parallelism (TE's load-balanced split): the global sequence is cut into
     # 2*cp_size chunks and rank r holds chunks r and 2*cp_size-1-r, so the second half of the
     # local tokens jumps ahead.
@@ -121,16 +185,16 @@ def _token_positions(START_POSITIONS, CU_SEQLENS, num_tokens, seq_len, batch, nu
                        seq_idx + cp_size * local_len - (cp_rank + 2) * half_len)
     if HAS_START:
         pos = pos + tl.load(START_POSITIONS + tl.minimum(batch_idx, num_seqs - 1))
-    return tok, tok_ok, in_seq, seq_idx, batch_idx, pos
+    return in_seq, pos
 
 
 @triton.jit
-def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim, x_dtype,
-              BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-              BACKWARD: tl.constexpr):
-    """cos/sin factors [T, 1, K] of both pair members: (cos1, cos2, sin_a, sin_b) such that
-    out1 = x1*cos1 - x2*sin_a and out2 = x2*cos2 + x1*sin_b (forward or its transpose)."""
-    compute_dtype = tl.float64 if x_dtype == tl.float64 else tl.float32
+def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
+              compute_dtype: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr):
+    """cos/sin factors [P, 1, K] of both pair members for the P positions `pos`:
+    (cos1, cos2, sin_a, sin_b) such that out1 = x1*cos1 - x2*sin_a and
+    out2 = x2*cos2 + x1*sin_b (the forward, or its transpose)."""
     half = rotary_dim // 2
     # A position outside freqs has no defined rotation: NaN, rather than an out-of-bounds read
     # or a silently clamped angle.
@@ -141,14 +205,14 @@ def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_
     if INTERLEAVED:
         offs_d = tl.arange(0, 2 * BLOCK_HALF)
         f = tl.load(f_base + offs_d[None, :] * stride_freqs_dim, mask=offs_d[None, :] < rotary_dim, other=0.0)
-        f1, f2 = tl.split(tl.reshape(f.to(compute_dtype), [BLOCK_T, BLOCK_HALF, 2]))
+        f1, f2 = tl.split(tl.reshape(f.to(compute_dtype), [BLOCK_P, BLOCK_HALF, 2]))
     else:
         offs_k = tl.arange(0, BLOCK_HALF)
         mask_k = offs_k[None, :] < half
         f1 = tl.load(f_base + offs_k[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
         f2 = tl.load(f_base + (offs_k + half)[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
     # Precise sin/cos (libdevice, like TE's sincosf) cost tens of instructions each: computed
-    # once per (token, channel) and reused for every head of the program.
+    # once per (position, channel) of the tile and reused for all its heads.
     sin1, cos1 = tl.sin(f1), tl.cos(f1)
     sin2, cos2 = tl.sin(f2), tl.cos(f2)
     nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
@@ -157,77 +221,6 @@ def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_
     if BACKWARD:
         return cos1, cos2, -sin2[:, None, :], -sin1[:, None, :]
     return cos1, cos2, sin1[:, None, :], sin2[:, None, :]
-
-
-@triton.jit
-def _rotate_heads(OUT, X, x_row, out_row, h0, head_end, heads_per_group, stride_x_group,
-                  stride_x_head, stride_out_group, stride_out_head, tok_ok, in_seq, cos1, cos2,
-                  sin_a, sin_b, rotary_dim, head_dim, stride_x_dim, stride_out_dim,
-                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  BLOCK_PASS: tl.constexpr, PASS_STEPS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  IS_THD: tl.constexpr, WIDE_INNER: tl.constexpr):
-    """Rotate heads h0 .. h0 + BLOCK_H of the program's BLOCK_T tokens. Head j sits at
-    (j // heads_per_group) * stride_group + (j % heads_per_group) * stride_head, which is
-    j * stride_head for ordinary tensors (heads_per_group = 1) and addresses the query heads
-    of a packed [.., kv_heads, q|k|v] tensor."""
-    half = rotary_dim // 2
-    compute_dtype = cos1.dtype
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask_th = tok_ok[:, None, None] & (offs_h < head_end)[None, :, None]      # [T, H, 1]
-    offs_k = tl.arange(0, BLOCK_HALF)
-    offs_d = tl.arange(0, 2 * BLOCK_HALF)
-    mask_k = (offs_k < half)[None, None, :]
-    mask_d = (offs_d < rotary_dim)[None, None, :]
-    if WIDE_INNER:
-        offs_h = offs_h.to(tl.int64)
-        offs_k = offs_k.to(tl.int64)
-        offs_d = offs_d.to(tl.int64)
-    group, sub = offs_h // heads_per_group, offs_h % heads_per_group
-    x_base = X + x_row[:, None, None] + (group * stride_x_group + sub * stride_x_head)[None, :, None]
-    out_base = OUT + out_row[:, None, None] + (group * stride_out_group + sub * stride_out_head)[None, :, None]
-    out_ty = OUT.dtype.element_ty
-
-    _copy_channels(x_base, out_base, mask_th, rotary_dim, head_dim, stride_x_dim, stride_out_dim,
-                   BLOCK_PASS, PASS_STEPS, WIDE_INNER)
-
-    # Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
-    # registers rather than gathered with stride 2.
-    if INTERLEAVED:
-        m = mask_th & mask_d
-        x = tl.load(x_base + offs_d[None, None, :] * stride_x_dim, mask=m, other=0.0)
-        x1, x2 = tl.split(tl.reshape(x.to(compute_dtype), [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
-    else:
-        m = mask_th & mask_k
-        x1_ptrs = x_base + offs_k[None, None, :] * stride_x_dim
-        x1 = tl.load(x1_ptrs, mask=m, other=0.0).to(compute_dtype)
-        x2 = tl.load(x1_ptrs + half * stride_x_dim, mask=m, other=0.0).to(compute_dtype)
-    out1 = x1 * cos1 - x2 * sin_a
-    out2 = x2 * cos2 + x1 * sin_b
-    if IS_THD:
-        out1 = tl.where(in_seq[:, None, None], out1, x1)
-        out2 = tl.where(in_seq[:, None, None], out2, x2)
-    if INTERLEAVED:
-        out = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
-        tl.store(out_base + offs_d[None, None, :] * stride_out_dim, out.to(out_ty), mask=m)
-    else:
-        out1_ptrs = out_base + offs_k[None, None, :] * stride_out_dim
-        tl.store(out1_ptrs, out1.to(out_ty), mask=m)
-        tl.store(out1_ptrs + half * stride_out_dim, out2.to(out_ty), mask=m)
-
-
-@triton.jit
-def _copy_channels(x_base, out_base, mask_th, first, last, stride_x_dim, stride_out_dim,
-                   BLOCK: tl.constexpr, STEPS: tl.constexpr, WIDE_INNER: tl.constexpr):
-    """Copy channels first..last of a [T, H] tile of heads, unrolled in STEPS chunks so that
-    their loads are in flight together with the rest of the program's."""
-    offs = tl.arange(0, BLOCK)
-    if WIDE_INNER:
-        offs = offs.to(tl.int64)
-    for i in tl.static_range(STEPS):
-        dims = first + i * BLOCK + offs
-        m = mask_th & (dims < last)[None, None, :]
-        tl.store(out_base + dims[None, None, :] * stride_out_dim,
-                 tl.load(x_base + dims[None, None, :] * stride_x_dim, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank",
@@ -242,47 +235,55 @@ def rotary_qkv_kernel(
     ski_s, ski_b, ski_h, ski_d, sko_s, sko_b, sko_h, sko_d,
     svi_s, svi_b, svi_h, svi_d, svo_s, svo_b, svo_h, svo_d,
     stride_qf_seq, stride_qf_dim, stride_kf_seq, stride_kf_dim,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr, PASS_STEPS: tl.constexpr, BLOCK_V: tl.constexpr,
-    V_STEPS: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr,
-    WIDE_INNER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,       # query heads per program
+    BLOCK_KV: tl.constexpr,      # key (or value) heads per program
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_V: tl.constexpr, V_STEPS: tl.constexpr,   # v is copied in V_STEPS chunks
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, SEQ_MAJOR: tl.constexpr,
+    HAS_START: tl.constexpr, WIDE_INNER: tl.constexpr,
 ):
     """Fused QKV: one launch for q, k and v. Programs along axis 1 first cover the query
     heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS), then
     copy the value heads."""
-    tok, tok_ok, in_seq, seq_idx, batch_idx, pos = _token_positions(
-        START_POSITIONS, START_POSITIONS, num_tokens, seq_len, batch, batch, 0, cp_size, cp_rank,
-        BLOCK_T, False, SEQ_MAJOR, HAS_START)
-    seq_idx = seq_idx.to(tl.int64)
-    batch_idx = batch_idx.to(tl.int64)
     pid_h = tl.program_id(1)
     if pid_h < q_programs:
-        cos1, cos2, sin_a, sin_b = _rotation(Q_FREQS, pos, q_freqs_len, rotary_dim, stride_qf_seq,
-                                             stride_qf_dim, Q_IN.dtype.element_ty, BLOCK_T,
-                                             BLOCK_HALF, INTERLEAVED, BACKWARD)
-        _rotate_heads(Q_OUT, Q_IN, seq_idx * sqi_s + batch_idx * sqi_b,
-                      seq_idx * sqo_s + batch_idx * sqo_b, pid_h * BLOCK_H, kv_heads * q_per_kv,
-                      q_per_kv, sqi_g, sqi_h, sqo_g, sqo_h, tok_ok, in_seq, cos1, cos2, sin_a,
-                      sin_b, rotary_dim, head_dim, sqi_d, sqo_d, BLOCK_T, BLOCK_H, BLOCK_HALF,
-                      BLOCK_PASS, PASS_STEPS, INTERLEAVED, False, WIDE_INNER)
+        q_heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rope_tile(Q_OUT, Q_IN, Q_FREQS, START_POSITIONS, START_POSITIONS, q_heads,
+                   kv_heads * q_per_kv, q_per_kv, sqi_s, sqi_b, sqi_g, sqi_h, sqi_d, sqo_s, sqo_b,
+                   sqo_g, sqo_h, sqo_d, stride_qf_seq, stride_qf_dim, q_freqs_len, rotary_dim,
+                   head_dim, num_tokens, seq_len, batch, batch, 0, cp_size, cp_rank, BLOCK_T,
+                   BLOCK_H, BLOCK_HALF, BLOCK_PASS, INTERLEAVED, BACKWARD, False, SEQ_MAJOR,
+                   HAS_START, WIDE_INNER)
     elif pid_h < q_programs + k_programs:
-        cos1, cos2, sin_a, sin_b = _rotation(K_FREQS, pos, k_freqs_len, rotary_dim, stride_kf_seq,
-                                             stride_kf_dim, K_IN.dtype.element_ty, BLOCK_T,
-                                             BLOCK_HALF, INTERLEAVED, BACKWARD)
-        _rotate_heads(K_OUT, K_IN, seq_idx * ski_s + batch_idx * ski_b,
-                      seq_idx * sko_s + batch_idx * sko_b, (pid_h - q_programs) * BLOCK_H,
-                      kv_heads, 1, ski_h, ski_h, sko_h, sko_h, tok_ok, in_seq, cos1, cos2, sin_a,
-                      sin_b, rotary_dim, head_dim, ski_d, sko_d, BLOCK_T, BLOCK_H, BLOCK_HALF,
-                      BLOCK_PASS, PASS_STEPS, INTERLEAVED, False, WIDE_INNER)
+        k_heads = (pid_h - q_programs) * BLOCK_KV + tl.arange(0, BLOCK_KV)
+        _rope_tile(K_OUT, K_IN, K_FREQS, START_POSITIONS, START_POSITIONS, k_heads, kv_heads, 1,
+                   ski_s, ski_b, ski_h, ski_h, ski_d, sko_s, sko_b, sko_h, sko_h, sko_d,
+                   stride_kf_seq, stride_kf_dim, k_freqs_len, rotary_dim, head_dim, num_tokens,
+                   seq_len, batch, batch, 0, cp_size, cp_rank, BLOCK_T, BLOCK_KV, BLOCK_HALF,
+                   BLOCK_PASS, INTERLEAVED, BACKWARD, False, SEQ_MAJOR, HAS_START, WIDE_INNER)
     else:
-        offs_h = (pid_h - q_programs - k_programs) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_th = tok_ok[:, None, None] & (offs_h < kv_heads)[None, :, None]
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tok_ok = tok < num_tokens
+        seq_idx, batch_idx = _token_coords(tl.minimum(tok, num_tokens - 1), seq_len, batch, False,
+                                           SEQ_MAJOR)
+        seq_idx = seq_idx.to(tl.int64)
+        batch_idx = batch_idx.to(tl.int64)
+        v_heads = (pid_h - q_programs - k_programs) * BLOCK_KV + tl.arange(0, BLOCK_KV)
+        dims = tl.arange(0, BLOCK_V)
         if WIDE_INNER:
-            offs_h = offs_h.to(tl.int64)
-        v_in = V_IN + (seq_idx * svi_s + batch_idx * svi_b)[:, None, None] + (offs_h * svi_h)[None, :, None]
-        v_out = V_OUT + (seq_idx * svo_s + batch_idx * svo_b)[:, None, None] + (offs_h * svo_h)[None, :, None]
-        _copy_channels(v_in, v_out, mask_th, 0, v_dim, svi_d, svo_d, BLOCK_V, V_STEPS, WIDE_INNER)
+            v_heads = v_heads.to(tl.int64)
+            dims = dims.to(tl.int64)
+        mask_th = tok_ok[:, None, None] & (v_heads < kv_heads)[None, :, None]
+        v_in = (V_IN + (seq_idx * svi_s + batch_idx * svi_b)[:, None, None]
+                + (v_heads * svi_h)[None, :, None])
+        v_out = (V_OUT + (seq_idx * svo_s + batch_idx * svo_b)[:, None, None]
+                 + (v_heads * svo_h)[None, :, None])
+        for i in tl.static_range(V_STEPS):
+            d = i * BLOCK_V + dims
+            mask = mask_th & (d < v_dim)[None, None, :]
+            tl.store(v_out + (d * svo_d)[None, None, :],
+                     tl.load(v_in + (d * svi_d)[None, None, :], mask=mask), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,13 +300,14 @@ TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-# Launch rule, from sweeps on an H200 (README, "Results and analysis"). A program moves all
-# heads of one token when they hold at least ONE_TOKEN_ELEMENTS rotary channels, otherwise of
-# FEW_HEADS_TOKENS tokens, walking the heads STEP_ELEMENTS channels at a time; heads are split
-# over programs only when fewer than MIN_PROGRAMS_PER_SM programs per SM would remain.
-ONE_TOKEN_ELEMENTS = 4096
-FEW_HEADS_TOKENS = 4
-STEP_ELEMENTS = 8192
+# Launch rule, from timing variants on an H100 (README, "Results and analysis"). A program
+# rotates one tile: all heads of one token up to MAX_TILE_ELEMENTS channels (else a
+# power-of-two group of them), widened to several tokens while it holds fewer than
+# MIN_TILE_ELEMENTS, with NUM_WARPS warps. Tiles shrink (tokens first, then heads) while fewer
+# than MIN_PROGRAMS_PER_SM programs per SM would remain.
+MIN_TILE_ELEMENTS = 2048
+MAX_TILE_ELEMENTS = 8192
+NUM_WARPS = 2
 MIN_PROGRAMS_PER_SM = 4
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 INTERPRETER_TILE_ELEMENTS = 1 << 16
@@ -448,38 +450,88 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
     """Tile sizes, grid and warps for one call: a pure function of the sizes (no autotuning;
     nothing here depends on the sequence length except the grid, so nothing recompiles)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
-    row = 2 * block_half                                 # rotary channels of one (token, head)
-    heads = triton.next_power_of_2(shape.nheads)
+    pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
+    block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
+    row = 2 * block_half + block_pass                   # channels of one (token, head) in a tile
     if _interpreting():
-        # Every program runs in Python: few, large programs.
-        tokens, step, min_programs = (INTERPRETER_TILE_ELEMENTS // row, INTERPRETER_TILE_ELEMENTS,
-                                      INTERPRETER_MIN_PROGRAMS)
+        min_tile = max_tile = INTERPRETER_TILE_ELEMENTS
+        min_programs = INTERPRETER_MIN_PROGRAMS
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        tokens = 1 if heads * row >= ONE_TOKEN_ELEMENTS else FEW_HEADS_TOKENS
-        step, min_programs = STEP_ELEMENTS, MIN_PROGRAMS_PER_SM * _num_sms(index)
-    block_t = min(triton.next_power_of_2(shape.num_tokens), _pow2_floor(tokens))
-    block_h = min(heads, _pow2_floor(step // (row * block_t)))
-    token_blocks = triton.cdiv(shape.num_tokens, block_t)
-    head_steps = triton.cdiv(shape.nheads, block_h)
-    splits = max(1, min(head_steps, triton.cdiv(min_programs, token_blocks)))
-    heads_per_program = block_h * triton.cdiv(head_steps, splits)
-    # Channels past rotary_dim are copied in an unrolled loop of PASS_STEPS chunks, so that
-    # their loads are in flight together with the rotary ones.
-    pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
-    block_pass = min(triton.next_power_of_2(max(pass_dims, 1)), 256)
-    grid = (token_blocks, triton.cdiv(shape.nheads, heads_per_program))
+        min_tile, max_tile = MIN_TILE_ELEMENTS, MAX_TILE_ELEMENTS
+        min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
+    block_h = min(triton.next_power_of_2(shape.nheads), _pow2_floor(max_tile // row))
+    block_t = min(triton.next_power_of_2(shape.num_tokens), _pow2_floor(min_tile // (row * block_h)))
+
+    def programs():
+        return triton.cdiv(shape.num_tokens, block_t) * triton.cdiv(shape.nheads, block_h)
+
+    while block_t > 1 and programs() < min_programs:
+        block_t //= 2
+    while block_h > 1 and programs() < min_programs:
+        block_h //= 2
+    grid = (triton.cdiv(shape.num_tokens, block_t), triton.cdiv(shape.nheads, block_h))
     meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-                PASS_STEPS=triton.cdiv(pass_dims, block_pass),
-                num_warps=2 if block_t == 1 else 4)
-    return grid, heads_per_program, meta
+                num_warps=NUM_WARPS)
+    return grid, meta
 
 
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-# Launch plans (validated sizes, grid, scalar arguments, constexprs), keyed by the metadata
+def _triton_version():
+    return tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+
+
+# Triton versions whose compiled-kernel launch interface `_Launch` calls directly (checked on
+# 3.6 on a GPU, read in 3.9's source); any other version launches through Triton's JIT only.
+_DIRECT_LAUNCH = (3, 6) <= _triton_version() <= (3, 9)
+
+
+class _Launch:
+    """One planned launch of a Triton kernel (grid, scalar arguments and constexprs fixed).
+
+    The first call per pointer alignment and device goes through Triton's JIT, which compiles
+    or finds the kernel; later calls hand the compiled kernel its arguments directly. Triton's
+    per-call binding and specialization of ~40 arguments costs ~22 us of CPU (measured on an
+    H100 host), far more than the ~9 us of the launch itself and than a small RoPE takes on
+    the GPU. The direct call passes exactly what Triton's JIT passes, so it stays out of the
+    way of launch hooks (profilers) by not being used while any is set.
+    """
+
+    def __init__(self, fn, grid, scalars, constexprs):
+        self.fn, self.grid, self.scalars, self.constexprs = fn, grid, scalars, constexprs
+        # Values of the constexpr parameters in signature order (they come last).
+        self.constexpr_values = tuple(constexprs[n] for n in fn.arg_names if n in constexprs)
+        self.compiled = {}
+        self.direct = _DIRECT_LAUNCH and not _interpreting()
+
+    def __call__(self, *tensors):
+        global _DIRECT_LAUNCH
+        if not (self.direct and _DIRECT_LAUNCH):
+            self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
+            return
+        driver, knobs = triton.runtime.driver, triton.knobs
+        device = driver.active.get_current_device()
+        # Triton specializes pointer arguments on 16-byte alignment.
+        key = (device,) + tuple(x is not None and x.data_ptr() % 16 == 0 for x in tensors)
+        kernel = self.compiled.get(key)
+        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        if kernel is not None and not hooks:
+            try:
+                kernel.run(self.grid[0], self.grid[1], 1, driver.active.get_current_stream(device),
+                           kernel.function, kernel.packed_metadata, None, None, None, *tensors,
+                           *self.scalars, *self.constexpr_values)
+                return
+            except TypeError:      # an interface this code does not know: use the JIT from now on
+                _DIRECT_LAUNCH = False
+        kernel = self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
+        if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
+            self.compiled[key] = kernel
+
+
+# Launch plans (validated sizes and a ready `_Launch`), keyed by the metadata
 # that the checks and the launch rule read. A repeated call skips both: small RoPE calls take
 # a few microseconds on the GPU, so host time per call decides their speed.
 _PLANS = {}
@@ -525,15 +577,15 @@ def _make_plan(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp
     widest = max((shape.nheads - 1) * abs(s_h) + (shape.head_dim - 1) * abs(s_d)
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
-    grid, heads_per_program, meta = launch_config(shape, t.device, copy_pass=not in_place)
-    scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, heads_per_program,
-               shape.rotary_dim, shape.head_dim, freqs.shape[0], shape.batch,
+    grid, meta = launch_config(shape, t.device, copy_pass=not in_place)
+    scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim, shape.head_dim, freqs.shape[0], shape.batch,
                max(shape.batch, 1).bit_length() if is_thd else 0, cp_size, cp_rank,
                *x_strides, *out_strides, freqs.stride(0), freqs.stride(3))
     constexprs = dict(INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
                       SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
                       WIDE_INNER=widest > _INT32_MAX, **meta)
-    return t.numel() == 0, grid, scalars, constexprs
+    return t.numel() == 0, _Launch(rotary_kernel, grid, scalars, constexprs)
+
 
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -557,11 +609,11 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     plan = _cached_plan(key, lambda: _make_plan(t, freqs, tensor_format, start_positions,
                                                 cu_seqlens, cp_size, cp_rank, interleaved,
                                                 backward, out))
-    empty, grid, scalars, constexprs = plan
+    empty, launch = plan
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     if not empty:
-        rotary_kernel[grid](out, t, freqs, start_positions, cu_seqlens, *scalars, **constexprs)
+        launch(out, t, freqs, start_positions, cu_seqlens)
     return out
 
 
@@ -639,22 +691,26 @@ def _make_qkv_plan(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
                                  f"{qkv.device}, got {tuple(g.shape)} {g.dtype} {g.device}")
     views = _qkv_views(qkv, split, grads, _qkv_outputs(qkv.to("meta"), split, grads))
     widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in views)
-    grid, _, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
-                                  copy_pass=True)
+    # Tiles sized for the query heads; key and value programs take as many of the (fewer)
+    # kv heads as a query tile holds, and copy v in chunks no wider than a query row.
+    grid, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
+                               copy_pass=True)
+    block_kv = min(meta["BLOCK_H"], triton.next_power_of_2(kv_heads))
     q_programs = triton.cdiv(kv_heads * q_per_kv, meta["BLOCK_H"])
-    k_programs = triton.cdiv(kv_heads, meta["BLOCK_H"])
-    block_v = min(triton.next_power_of_2(v_dim), 256)
+    k_programs = triton.cdiv(kv_heads, block_kv)
+    block_v = min(triton.next_power_of_2(v_dim), 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"])
     # (seq, batch, then the remaining dims) strides of each view, in the kernel's order.
     strides = [s for x in views for s in (*_seq_batch_strides(x, tensor_format), *x.stride()[2:])]
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
                k_dim, v_dim, q_freqs.shape[0], k_freqs.shape[0], cp_size, cp_rank, q_programs,
                k_programs, *strides, q_freqs.stride(0), q_freqs.stride(3), k_freqs.stride(0),
                k_freqs.stride(3))
-    constexprs = dict(BLOCK_V=block_v, V_STEPS=triton.cdiv(v_dim, block_v),
+    constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v, V_STEPS=triton.cdiv(v_dim, block_v),
                       BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
                       HAS_START=start_positions is not None, INTERLEAVED=interleaved,
                       WIDE_INNER=widest > _INT32_MAX, **meta)
-    return split, qkv.numel() == 0, (grid[0], q_programs + 2 * k_programs), scalars, constexprs
+    return split, qkv.numel() == 0, _Launch(rotary_qkv_kernel, (grid[0], q_programs + 2 * k_programs),
+                                            scalars, constexprs)
 
 
 def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
@@ -672,12 +728,11 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
     split = tuple(qkv_split_arg_list) if isinstance(qkv_split_arg_list, (list, tuple)) else qkv_split_arg_list
     key = _metadata_key((qkv, q_freqs, k_freqs, start_positions, *(grads or ())), "qkv", split,
                         tensor_format, interleaved, cp_size, cp_rank, grads is None)
-    split, empty, grid, scalars, constexprs = _cached_plan(key, lambda: _make_qkv_plan(
+    split, empty, launch = _cached_plan(key, lambda: _make_qkv_plan(
         qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions, interleaved,
         cp_size, cp_rank, grads))
     result = _qkv_outputs(qkv, split, grads)
     if not empty:
         q_in, q_out, k_in, k_out, v_in, v_out = _qkv_views(qkv, split, grads, result)
-        rotary_qkv_kernel[grid](q_out, k_out, v_out, q_in, k_in, v_in, q_freqs, k_freqs,
-                                start_positions, *scalars, **constexprs)
+        launch(q_out, k_out, v_out, q_in, k_in, v_in, q_freqs, k_freqs, start_positions)
     return result
