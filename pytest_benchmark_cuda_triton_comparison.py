@@ -549,6 +549,19 @@ def test_repeated_calls_and_misaligned_views():
             torch.testing.assert_close(out, ref)
 
 
+def test_result_does_not_depend_on_batch():
+    """A token's output is bit-identical whether it is rotated alone or inside a large batch,
+    although the two calls get different tiles and grids."""
+    torch.manual_seed(22)
+    t = torch.randn(64, 16, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    freqs = RotaryPositionEmbedding(64, device=DEVICE)(64)
+    for backward in (False, True):
+        whole = set_rotary_kernel(t, freqs, backward=backward)
+        for row in (0, 5, 63):
+            alone = set_rotary_kernel(t[row:row + 1, 3:4].clone(), freqs[row:], backward=backward)
+            assert torch.equal(whole[row:row + 1, 3:4], alone), (backward, row)
+
+
 def _compiled_variants():
     return sum(len(cache[0]) for cache in triton_rotary_kernel.rotary_kernel.device_caches.values())
 

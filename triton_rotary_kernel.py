@@ -122,8 +122,10 @@ def _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, heads_
     cos1, cos2, sin_a, sin_b = _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq,
                                          stride_freqs_dim, compute_dtype, BLOCK_T, BLOCK_HALF,
                                          INTERLEAVED, BACKWARD)
-    out1 = x1 * cos1 - x2 * sin_a
-    out2 = x2 * cos2 + x1 * sin_b
+    # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
+    # with the tile shape, and so would the last bit of a token's result with the batch size.
+    out1 = tl.fma(x1, cos1, -(x2 * sin_a))
+    out2 = tl.fma(x2, cos2, x1 * sin_b)
     if IS_THD:
         # Tokens outside every sequence pass through unchanged.
         out1 = tl.where(in_seq[:, None, None], out1, x1)
