@@ -498,8 +498,8 @@ class _Launch:
     or finds the kernel; later calls hand the compiled kernel its arguments directly. Triton's
     per-call binding and specialization of ~40 arguments costs ~22 us of CPU (measured on an
     H100 host), far more than the ~9 us of the launch itself and than a small RoPE takes on
-    the GPU. The direct call passes exactly what Triton's JIT passes, so it stays out of the
-    way of launch hooks (profilers) by not being used while any is set.
+    the GPU. The direct call passes exactly what Triton's JIT passes, launch hooks
+    (profilers) included.
     """
 
     def __init__(self, fn, grid, scalars, constexprs):
@@ -519,12 +519,15 @@ class _Launch:
         # Triton specializes pointer arguments on 16-byte alignment.
         key = (device,) + tuple(x is not None and x.data_ptr() % 16 == 0 for x in tensors)
         kernel = self.compiled.get(key)
-        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
-        if kernel is not None and not hooks:
+        if kernel is not None:
+            stream = driver.active.get_current_stream(device)
+            args = (*tensors, *self.scalars, *self.constexpr_values)
+            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            metadata = (None if enter is None and leave is None
+                        else kernel.launch_metadata(self.grid, stream, *args))
             try:
-                kernel.run(self.grid[0], self.grid[1], 1, driver.active.get_current_stream(device),
-                           kernel.function, kernel.packed_metadata, None, None, None, *tensors,
-                           *self.scalars, *self.constexpr_values)
+                kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function,
+                           kernel.packed_metadata, metadata, enter, leave, *args)
                 return
             except TypeError:      # an interface this code does not know: use the JIT from now on
                 _DIRECT_LAUNCH = False
