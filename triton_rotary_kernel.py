@@ -77,18 +77,16 @@ def _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, heads_
     (j % heads_per_group) * stride_head: j * stride_head for ordinary tensors
     (heads_per_group = 1); the query heads of a packed [.., kv_heads, q|k|v] tensor otherwise.
     """
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)             # [T]
-    tok_ok = tok < num_tokens
-    tok = tl.minimum(tok, num_tokens - 1)
-    seq_idx, batch_idx = _token_coords(tok, seq_len, batch, IS_THD, SEQ_MAJOR)
+    tok, tok_ok, seq_idx, batch_idx = _program_tokens(num_tokens, seq_len, batch, BLOCK_T, IS_THD,
+                                                      SEQ_MAJOR)
     mask_th = tok_ok[:, None, None] & (heads < nheads)[None, :, None]      # [T, H, 1]
     if WIDE_INNER:
         heads = heads.to(tl.int64)
     group, sub = heads // heads_per_group, heads % heads_per_group
-    x_base = (X + (seq_idx.to(tl.int64) * stride_x_seq + batch_idx.to(tl.int64) * stride_x_batch)[:, None, None]
-              + (group * stride_x_group + sub * stride_x_head)[None, :, None])
-    out_base = (OUT + (seq_idx.to(tl.int64) * stride_out_seq + batch_idx.to(tl.int64) * stride_out_batch)[:, None, None]
-                + (group * stride_out_group + sub * stride_out_head)[None, :, None])
+    x_base = _tile_base(X, seq_idx, batch_idx, stride_x_seq, stride_x_batch,
+                        group * stride_x_group + sub * stride_x_head)
+    out_base = _tile_base(OUT, seq_idx, batch_idx, stride_out_seq, stride_out_batch,
+                          group * stride_out_group + sub * stride_out_head)
     compute_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
 
     # Loads. Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
@@ -141,6 +139,26 @@ def _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, heads_
         tl.store(out1_ptrs + half * stride_out_dim, out2.to(out_ty), mask=mask)
     if BLOCK_PASS > 0:
         tl.store(out_base + offs_p[None, None, :] * stride_out_dim, x_pass, mask=mask_p)
+
+
+@triton.jit
+def _program_tokens(num_tokens, seq_len, batch, BLOCK_T: tl.constexpr, IS_THD: tl.constexpr,
+                    SEQ_MAJOR: tl.constexpr):
+    """The program's BLOCK_T token indices (clamped into range), which of them are real, and
+    their (sequence, batch) indices."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    tok = tl.minimum(tok, num_tokens - 1)
+    seq_idx, batch_idx = _token_coords(tok, seq_len, batch, IS_THD, SEQ_MAJOR)
+    return tok, tok_ok, seq_idx, batch_idx
+
+
+@triton.jit
+def _tile_base(PTR, seq_idx, batch_idx, stride_seq, stride_batch, head_offset):
+    """Pointers [T, H, 1] to channel 0 of each (token, head) of a tile; head_offset [H] holds
+    the heads' element offsets inside a token."""
+    row = seq_idx.to(tl.int64) * stride_seq + batch_idx.to(tl.int64) * stride_batch
+    return PTR + row[:, None, None] + head_offset[None, :, None]
 
 
 @triton.jit
@@ -265,22 +283,16 @@ def rotary_qkv_kernel(
                    seq_len, batch, batch, 0, cp_size, cp_rank, BLOCK_T, BLOCK_KV, BLOCK_HALF,
                    BLOCK_PASS, INTERLEAVED, BACKWARD, False, SEQ_MAJOR, HAS_START, WIDE_INNER)
     else:
-        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tok_ok = tok < num_tokens
-        seq_idx, batch_idx = _token_coords(tl.minimum(tok, num_tokens - 1), seq_len, batch, False,
-                                           SEQ_MAJOR)
-        seq_idx = seq_idx.to(tl.int64)
-        batch_idx = batch_idx.to(tl.int64)
+        tok, tok_ok, seq_idx, batch_idx = _program_tokens(num_tokens, seq_len, batch, BLOCK_T,
+                                                          False, SEQ_MAJOR)
         v_heads = (pid_h - q_programs - k_programs) * BLOCK_KV + tl.arange(0, BLOCK_KV)
         dims = tl.arange(0, BLOCK_V)
         if WIDE_INNER:
             v_heads = v_heads.to(tl.int64)
             dims = dims.to(tl.int64)
         mask_th = tok_ok[:, None, None] & (v_heads < kv_heads)[None, :, None]
-        v_in = (V_IN + (seq_idx * svi_s + batch_idx * svi_b)[:, None, None]
-                + (v_heads * svi_h)[None, :, None])
-        v_out = (V_OUT + (seq_idx * svo_s + batch_idx * svo_b)[:, None, None]
-                 + (v_heads * svo_h)[None, :, None])
+        v_in = _tile_base(V_IN, seq_idx, batch_idx, svi_s, svi_b, v_heads * svi_h)
+        v_out = _tile_base(V_OUT, seq_idx, batch_idx, svo_s, svo_b, v_heads * svo_h)
         for i in tl.static_range(V_STEPS):
             d = i * BLOCK_V + dims
             mask = mask_th & (d < v_dim)[None, None, :]
@@ -449,8 +461,9 @@ def _num_sms(device_index: int) -> int:
 
 
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
-    """Tile sizes, grid and warps for one call: a pure function of the sizes (no autotuning;
-    nothing here depends on the sequence length except the grid, so nothing recompiles)."""
+    """Tile sizes, grid and warps for one call: a pure function of the sizes (no autotuning).
+    Large inputs get one tile shape whatever their length; only inputs too small to give every
+    SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled variants)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
