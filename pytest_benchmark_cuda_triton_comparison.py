@@ -86,6 +86,21 @@ def _compare(fn, t, loss_func, reference, **kwargs):
     assert out.is_contiguous() and out.dtype == t.dtype and out.shape == t.shape
 
 
+def _compare_qkv(qkv, q_freqs, k_freqs, split):
+    """Fused QKV outputs and packed gradient against the unfused formula in float32."""
+    results = []
+    for fused, x in ((True, qkv), (False, qkv.float())):
+        x = x.detach().requires_grad_(True)
+        outs = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, split, fused=fused)
+        # Distinct small-integer weights per element: exact in every dtype.
+        loss = sum((o * (torch.arange(o.numel(), device=o.device) % 7 - 3).view(o.shape)).sum()
+                   for o in outs)
+        loss.backward()
+        results.append([o.detach().to(qkv.dtype) for o in outs] + [x.grad.to(qkv.dtype)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
 def _random_start_positions(batch, margin):
     return torch.randint(0, margin, (batch,), dtype=torch.int32, device=DEVICE)
 
@@ -528,6 +543,11 @@ def test_other_launch_configs(monkeypatch, tile, min_programs):
         t = torch.randn(15, 5, 24, device=DEVICE)
         _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs, interleaved=interleaved,
                  tensor_format="thd", cu_seqlens=cu)
+    # Fused QKV: multi-head (key programs' kv heads cut down to a query tile's size) and
+    # grouped-query with a narrow v.
+    for kv_heads, split in ((5, [16, 16, 40]), (3, [48, 16, 8])):
+        qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE)
+        _compare_qkv(qkv, freqs, freqs * 0.5, split)
 
 
 def test_repeated_calls_and_misaligned_views():
@@ -543,10 +563,7 @@ def test_repeated_calls_and_misaligned_views():
         t = storage[offset:offset + 8 * 2 * 3 * 16].view(shape)
         _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs)
         qkv = storage[offset:offset + 8 * 2 * 3 * 64].view(8, 2, 3, 64)
-        outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split)
-        refs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, fused=False)
-        for out, ref in zip(outs, refs):
-            torch.testing.assert_close(out, ref)
+        _compare_qkv(qkv, freqs, freqs, split)
 
 
 def test_result_does_not_depend_on_batch():
@@ -734,14 +751,7 @@ def test_sanitize_qkv(split, kv_heads, rotary_percent):
     torch.manual_seed(13)
     qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE, dtype=torch.bfloat16)
     freqs = RotaryPositionEmbedding(split[1], rotary_percent, device=DEVICE)(9)
-    results = []
-    for fused, x in ((True, qkv), (False, qkv.float())):
-        x = x.detach().requires_grad_(True)
-        outs = apply_fused_qkv_rotary_pos_emb(x, freqs, freqs * 2, split, fused=fused)
-        torch.cat([o.flatten() for o in outs]).sum().backward()
-        results.append([o.detach().to(qkv.dtype) for o in outs] + [x.grad.to(qkv.dtype)])
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want)
+    _compare_qkv(qkv, freqs, freqs * 2, split)
 
 
 @pytest.mark.slow

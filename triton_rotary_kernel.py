@@ -248,7 +248,7 @@ def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_
 def rotary_qkv_kernel(
     Q_OUT, K_OUT, V_OUT, Q_IN, K_IN, V_IN, Q_FREQS, K_FREQS, START_POSITIONS,
     num_tokens, seq_len, batch, kv_heads, q_per_kv, rotary_dim, head_dim, v_dim,
-    q_freqs_len, k_freqs_len, cp_size, cp_rank, q_programs, k_programs,
+    q_freqs_len, k_freqs_len, cp_size, cp_rank, q_programs,
     # (seq, batch, kv group, head in group, channel) strides of q; (seq, batch, head, channel)
     # of k and v. Forward reads the packed tensor and writes three; backward the reverse.
     sqi_s, sqi_b, sqi_g, sqi_h, sqi_d, sqo_s, sqo_b, sqo_g, sqo_h, sqo_d,
@@ -257,15 +257,15 @@ def rotary_qkv_kernel(
     stride_qf_seq, stride_qf_dim, stride_kf_seq, stride_kf_dim,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,       # query heads per program
-    BLOCK_KV: tl.constexpr,      # key (or value) heads per program
+    BLOCK_KV: tl.constexpr,      # key (and value) heads per program
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BLOCK_V: tl.constexpr, V_STEPS: tl.constexpr,   # v is copied in V_STEPS chunks
+    BLOCK_V: tl.constexpr,       # power of two >= v_dim
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, SEQ_MAJOR: tl.constexpr,
     HAS_START: tl.constexpr, WIDE_INNER: tl.constexpr,
 ):
     """Fused QKV: one launch for q, k and v. Programs along axis 1 first cover the query
-    heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS), then
-    copy the value heads."""
+    heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS), each
+    with its value heads copied through."""
     pid_h = tl.program_id(1)
     if pid_h < q_programs:
         q_heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -275,29 +275,29 @@ def rotary_qkv_kernel(
                    head_dim, num_tokens, seq_len, batch, batch, 0, cp_size, cp_rank, BLOCK_T,
                    BLOCK_H, BLOCK_HALF, BLOCK_PASS, INTERLEAVED, BACKWARD, False, SEQ_MAJOR,
                    HAS_START, WIDE_INNER)
-    elif pid_h < q_programs + k_programs:
+    else:
+        # Key heads, with the value heads of the same kv heads copied alongside: a key tile
+        # alone would be a small program (a quarter of a query tile under 4:1 GQA). The values
+        # are loaded first and stored last, so that their loads overlap the key tile's.
         k_heads = (pid_h - q_programs) * BLOCK_KV + tl.arange(0, BLOCK_KV)
+        tok, tok_ok, seq_idx, batch_idx = _program_tokens(num_tokens, seq_len, batch, BLOCK_T,
+                                                          False, SEQ_MAJOR)
+        v_heads = k_heads
+        dims = tl.arange(0, BLOCK_V)
+        if WIDE_INNER:
+            v_heads = v_heads.to(tl.int64)
+            dims = dims.to(tl.int64)
+        mask_v = (tok_ok[:, None, None] & (v_heads < kv_heads)[None, :, None]
+                  & (dims < v_dim)[None, None, :])
+        v_in = _tile_base(V_IN, seq_idx, batch_idx, svi_s, svi_b, v_heads * svi_h)
+        v = tl.load(v_in + (dims * svi_d)[None, None, :], mask=mask_v)
         _rope_tile(K_OUT, K_IN, K_FREQS, START_POSITIONS, START_POSITIONS, k_heads, kv_heads, 1,
                    ski_s, ski_b, ski_h, ski_h, ski_d, sko_s, sko_b, sko_h, sko_h, sko_d,
                    stride_kf_seq, stride_kf_dim, k_freqs_len, rotary_dim, head_dim, num_tokens,
                    seq_len, batch, batch, 0, cp_size, cp_rank, BLOCK_T, BLOCK_KV, BLOCK_HALF,
                    BLOCK_PASS, INTERLEAVED, BACKWARD, False, SEQ_MAJOR, HAS_START, WIDE_INNER)
-    else:
-        tok, tok_ok, seq_idx, batch_idx = _program_tokens(num_tokens, seq_len, batch, BLOCK_T,
-                                                          False, SEQ_MAJOR)
-        v_heads = (pid_h - q_programs - k_programs) * BLOCK_KV + tl.arange(0, BLOCK_KV)
-        dims = tl.arange(0, BLOCK_V)
-        if WIDE_INNER:
-            v_heads = v_heads.to(tl.int64)
-            dims = dims.to(tl.int64)
-        mask_th = tok_ok[:, None, None] & (v_heads < kv_heads)[None, :, None]
-        v_in = _tile_base(V_IN, seq_idx, batch_idx, svi_s, svi_b, v_heads * svi_h)
         v_out = _tile_base(V_OUT, seq_idx, batch_idx, svo_s, svo_b, v_heads * svo_h)
-        for i in tl.static_range(V_STEPS):
-            d = i * BLOCK_V + dims
-            mask = mask_th & (d < v_dim)[None, None, :]
-            tl.store(v_out + (d * svo_d)[None, None, :],
-                     tl.load(v_in + (d * svi_d)[None, None, :], mask=mask), mask=mask)
+        tl.store(v_out + (dims * svo_d)[None, None, :], v, mask=mask_v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,25 +709,28 @@ def _make_qkv_plan(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
                                  f"{qkv.device}, got {tuple(g.shape)} {g.dtype} {g.device}")
     views = _qkv_views(qkv, split, grads, _qkv_outputs(qkv.to("meta"), split, grads))
     widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in views)
-    # Tiles sized for the query heads; key and value programs take as many of the (fewer)
-    # kv heads as a query tile holds, and copy v in chunks no wider than a query row.
+    # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
+    # as keep its tile no larger than a query tile.
     grid, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
                                copy_pass=True)
+    row = 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"]
+    block_v = triton.next_power_of_2(v_dim)
     block_kv = min(meta["BLOCK_H"], triton.next_power_of_2(kv_heads))
+    while block_kv > 1 and block_kv * (row + block_v) > meta["BLOCK_H"] * row:
+        block_kv //= 2
     q_programs = triton.cdiv(kv_heads * q_per_kv, meta["BLOCK_H"])
     k_programs = triton.cdiv(kv_heads, block_kv)
-    block_v = min(triton.next_power_of_2(v_dim), 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"])
     # (seq, batch, then the remaining dims) strides of each view, in the kernel's order.
     strides = [s for x in views for s in (*_seq_batch_strides(x, tensor_format), *x.stride()[2:])]
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
                k_dim, v_dim, q_freqs.shape[0], k_freqs.shape[0], cp_size, cp_rank, q_programs,
-               k_programs, *strides, q_freqs.stride(0), q_freqs.stride(3), k_freqs.stride(0),
+               *strides, q_freqs.stride(0), q_freqs.stride(3), k_freqs.stride(0),
                k_freqs.stride(3))
-    constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v, V_STEPS=triton.cdiv(v_dim, block_v),
+    constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v,
                       BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
                       HAS_START=start_positions is not None, INTERLEAVED=interleaved,
                       WIDE_INNER=widest > _INT32_MAX, **meta)
-    return split, qkv.numel() == 0, _Launch(rotary_qkv_kernel, (grid[0], q_programs + 2 * k_programs),
+    return split, qkv.numel() == 0, _Launch(rotary_qkv_kernel, (grid[0], q_programs + k_programs),
                                             scalars, constexprs)
 
 
