@@ -504,6 +504,12 @@ def _triton_version():
 _DIRECT_LAUNCH = (3, 6) <= _triton_version() <= (3, 9)
 
 
+def _hook(hook):
+    """A launch hook, or None for Triton's hook chain with nothing in it: the launch then
+    skips building the metadata that hooks receive (a few microseconds per call)."""
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook
+
+
 class _Launch:
     """One planned launch of a Triton kernel (grid, scalar arguments and constexprs fixed).
 
@@ -527,15 +533,16 @@ class _Launch:
         if not (self.direct and _DIRECT_LAUNCH):
             self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
             return
-        driver, knobs = triton.runtime.driver, triton.knobs
-        device = driver.active.get_current_device()
+        active = triton.runtime.driver.active
+        device = active.get_current_device()
         # Triton specializes pointer arguments on 16-byte alignment.
-        key = (device,) + tuple(x is not None and x.data_ptr() % 16 == 0 for x in tensors)
+        key = (device, *[x is not None and x.data_ptr() % 16 == 0 for x in tensors])
         kernel = self.compiled.get(key)
         if kernel is not None:
-            stream = driver.active.get_current_stream(device)
+            stream = active.get_current_stream(device)
             args = (*tensors, *self.scalars, *self.constexpr_values)
-            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            runtime = triton.knobs.runtime
+            enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
             metadata = (None if enter is None and leave is None
                         else kernel.launch_metadata(self.grid, stream, *args))
             try:
@@ -559,10 +566,15 @@ _MAX_PLANS = 4096
 def _metadata_key(tensors, *values):
     """Everything a plan depends on: tensors' metadata (never their values) and the other
     arguments with their types; None where an argument is not a tensor (the checks will say)."""
-    if not all(x is None or isinstance(x, torch.Tensor) for x in tensors):
-        return None
-    meta = tuple(None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in tensors)
-    return meta + tuple((v, type(v)) for v in values) + (_interpreting(),)
+    meta = []
+    for x in tensors:
+        if x is None:
+            meta.append(None)
+        elif isinstance(x, torch.Tensor):
+            meta.append((x.shape, x.stride(), x.dtype, x.device))
+        else:
+            return None
+    return (*meta, *[(v, type(v)) for v in values], _interpreting())
 
 
 def _cached_plan(key, make):
