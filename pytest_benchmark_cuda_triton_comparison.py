@@ -62,6 +62,12 @@ def _non_overlapping_grad(output):
     return torch.sum(output * torch.ones_like(output))
 
 
+# Gradient with distinct small-integer weights per element: exact in every dtype.
+def _distinct_weights_grad(output):
+    weights = torch.arange(output.numel(), device=output.device) % 7 - 3
+    return torch.sum(output * weights.view(output.shape))
+
+
 def _run(fn, t, loss_func, **kwargs):
     """Forward output and input gradient of fn(t, ...)."""
     t = t.detach().requires_grad_(True)
@@ -86,19 +92,30 @@ def _compare(fn, t, loss_func, reference, **kwargs):
     assert out.is_contiguous() and out.dtype == t.dtype and out.shape == t.shape
 
 
-def _compare_qkv(qkv, q_freqs, k_freqs, split):
-    """Fused QKV outputs and packed gradient against the unfused formula in float32."""
+def _compare_qkv(qkv, q_freqs, k_freqs, split, loss_func=_distinct_weights_grad,
+                 reference="unfused", check_grad=True, **kwargs):
+    """Fused QKV outputs (contiguous) and packed gradient against the unfused formula in
+    float32, or against TE's kernel."""
+    ref_fn = (_te(load_te_qkv_rope, "fused QKV RoPE") if reference == "te"
+              else functools.partial(apply_fused_qkv_rotary_pos_emb, fused=False))
     results = []
-    for fused, x in ((True, qkv), (False, qkv.float())):
+    for fn, x in ((apply_fused_qkv_rotary_pos_emb, qkv), (ref_fn, qkv if reference == "te" else qkv.float())):
         x = x.detach().requires_grad_(True)
-        outs = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, split, fused=fused)
-        # Distinct small-integer weights per element: exact in every dtype.
-        loss = sum((o * (torch.arange(o.numel(), device=o.device) % 7 - 3).view(o.shape)).sum()
-                   for o in outs)
-        loss.backward()
-        results.append([o.detach().to(qkv.dtype) for o in outs] + [x.grad.to(qkv.dtype)])
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want)
+        outs = fn(x, q_freqs, k_freqs, split, **kwargs)
+        loss_func(torch.cat([o.flatten() for o in outs])).backward()
+        results.append(([o.detach().to(qkv.dtype) for o in outs], x.grad.to(qkv.dtype)))
+    (outs, grad), (ref_outs, ref_grad) = results
+    for out, ref_out in zip(outs, ref_outs):
+        torch.testing.assert_close(out, ref_out)
+        assert out.is_contiguous()
+    if check_grad:
+        torch.testing.assert_close(grad, ref_grad)
+
+
+def _skip_unsupported_start_positions(start_positions, margin, cp_size):
+    """TE's rope tests run start_positions only with a margin for them and without CP."""
+    if start_positions and (margin == 0 or cp_size > 1):
+        pytest.skip("start_positions needs a margin and cp_size == 1 (as in TE's test)")
 
 
 def _random_start_positions(batch, margin):
@@ -129,8 +146,7 @@ def _te_matrix_axes(test):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_rope(dtype, seq_length, hidden_size, rotary_percent, margin, transpose,
                     tensor_format, loss_func, interleaved, cp_size, start_positions, reference):
-    if start_positions and (margin == 0 or cp_size > 1):
-        pytest.skip("start_positions needs a margin and cp_size == 1 (as in TE's test)")
+    _skip_unsupported_start_positions(start_positions, margin, cp_size)
     torch.manual_seed(seq_length + hidden_size + margin)
     batch, heads = SIZES["batch"], SIZES["heads"]
     t = torch.rand((seq_length - margin, batch, heads, hidden_size), dtype=dtype, device=DEVICE)
@@ -190,8 +206,7 @@ def test_fused_rope_thd(dtype, hidden_size, rotary_percent, transpose, loss_func
 def test_fused_qkv_rope(dtype, seq_length, hidden_size, rotary_percent, margin, tensor_format,
                         loss_func, interleaved, cp_size, start_positions, reference):
     """TE's test_fused_qkv_rope: packed [s, b, h_kv, 4d + d + d], q/k/v out, packed grad."""
-    if start_positions and (margin == 0 or cp_size > 1):
-        pytest.skip("start_positions needs a margin and cp_size == 1 (as in TE's test)")
+    _skip_unsupported_start_positions(start_positions, margin, cp_size)
     if seq_length - margin < 2 or (seq_length - margin) % 2 and cp_size > 1:
         pytest.skip("no (even) local sequence left after the margin")
     torch.manual_seed(seq_length + hidden_size)
@@ -204,23 +219,13 @@ def test_fused_qkv_rope(dtype, seq_length, hidden_size, rotary_percent, margin, 
     q_freqs = RotaryPositionEmbedding(hidden_size, rotary_percent, interleaved=interleaved,
                                       device=DEVICE)(seq_length * cp_size)
     k_freqs = q_freqs * 0.5              # distinct angles for k, to catch a q/k mix-up
-    ref_fn = _te(load_te_qkv_rope, "fused QKV RoPE") if reference == "te" else functools.partial(apply_fused_qkv_rotary_pos_emb, fused=False)
     for cp_rank in range(cp_size):
-        results = []
-        for fn, x in ((apply_fused_qkv_rotary_pos_emb, qkv), (ref_fn, qkv if reference == "te" else qkv.float())):
-            x = x.detach().requires_grad_(True)
-            outs = fn(x, q_freqs, k_freqs, split, tensor_format=tensor_format, start_positions=starts,
-                      interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
-            loss_func(torch.cat([o.flatten() for o in outs])).backward()
-            results.append(([o.detach().to(dtype) for o in outs], x.grad.to(dtype)))
-        (outs, grad), (ref_outs, ref_grad) = results
-        for out, ref_out in zip(outs, ref_outs):
-            torch.testing.assert_close(out, ref_out)
-            assert out.is_contiguous()
         # TE's fused-QKV backward takes no start_positions (nvte_fused_qkv_rope_backward), so
         # its gradient ignores them; ours is checked against the unfused reference instead.
-        if not (reference == "te" and start_positions):
-            torch.testing.assert_close(grad, ref_grad)
+        _compare_qkv(qkv, q_freqs, k_freqs, split, loss_func, reference,
+                     check_grad=not (reference == "te" and start_positions),
+                     tensor_format=tensor_format, start_positions=starts, interleaved=interleaved,
+                     cp_size=cp_size, cp_rank=cp_rank)
 
 
 # ---------------------------------------------------------------------------------------------
