@@ -1,8 +1,8 @@
-"""Fused rotary position embedding (RoPE) in Triton: the kernel and its launcher.
+"""Fused rotary position embedding (RoPE) in Triton: the kernels and their launcher.
 
-One kernel serves forward and backward. With x1/x2 the two halves of each rotated pair
+One kernel serves forward and backward. With x1/x2 the two members of each rotated pair
 (first/second half of the rotary channels, or even/odd channels when interleaved) and
-f1/f2 their frequencies, the forward is
+f1/f2 their angles, the forward is
 
     out1 = x1 * cos(f1) - x2 * sin(f1)
     out2 = x2 * cos(f2) + x1 * sin(f2)
@@ -12,15 +12,28 @@ and the backward is its exact transpose,
     dx1 = g1 * cos(f1) + g2 * sin(f2)
     dx2 = g2 * cos(f2) - g1 * sin(f1)
 
-i.e. the same code with the sines negated and swapped between the halves (`BACKWARD`).
+i.e. the same code with the sines negated and swapped between the members (`BACKWARD`).
 For frequencies built as TE's `RotaryPositionEmbedding` builds them (f1 == f2) this is the
 familiar "rotate by -theta"; for arbitrary frequencies it is still the true gradient, which
 is what Transformer Engine's CUDA kernel computes too.
+
+The angles come from one of two sources (`ANGLES_FROM_POSITIONS`):
+- a table, TE's interface: f = freqs[position, channel], float32 angles;
+- integer positions and inverse frequencies: f = position * inv_freq[pair], the exact real
+  product (never rounded to float32), optionally scaled (YaRN's attention factor) and, for
+  M-RoPE, with each pair taking its position from its own axis (`PAIR_AXIS`).
+Positions are implicit (TE: the token's index in its sequence, with start_positions, thd and
+context parallelism) or read from a `positions` tensor.
 
 Channels `rotary_dim..head_dim` are copied through. Arithmetic is float32 (float64 for
 float64 inputs, so that `gradcheck` can run through the kernel).
 """
 
+import functools
+import os
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
@@ -28,16 +41,70 @@ import triton.language as tl
 # check that globals did not change since compilation).
 _NAN_BITS = tl.constexpr(0x7FC00000)
 
+# Where the positions of the tokens come from (constexpr POSITIONS_FROM).
+IMPLICIT_POSITIONS = tl.constexpr(0)     # index in the sequence: start_positions, thd, CP
+POSITIONS_TENSOR = tl.constexpr(1)       # one position per token, from `positions`
+AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis chosen per pair
+
+# pi/2 as the unevaluated sum of three float32 numbers (Cody-Waite). PIO2_1 has 24
+# significant bits and its last bit is worth 2^-23, so for |k| <= 2^24 the first reduction
+# step x - k * PIO2_1, computed in one fma, is exact (the result is a multiple of 2^-23
+# below 2 in magnitude). The remaining terms are rounded once each (<= 2^-25 absolute).
+_PIO2_1 = tl.constexpr(1.5707963705062866)
+_PIO2_2 = tl.constexpr(-4.371138828673793e-08)
+_PIO2_3 = tl.constexpr(-1.7151245100058819e-15)
+_TWO_OVER_PI = tl.constexpr(0.6366197466850281)
+# Largest |angle| the float32 reduction takes (|k| <= 2^24); larger angles in a tile send the
+# whole tile to the slow, precise path (libdevice float32 for a table; float64 for angles
+# from positions, which then stay exact).
+_FAST_REDUCTION_LIMIT = tl.constexpr(2.5e7)
+
+
+@triton.jit
+def _sincos(hi, lo):
+    """sin and cos of hi + lo (|lo| <= ulp(hi) / 2, |hi| < _FAST_REDUCTION_LIMIT), float32.
+
+    hi + lo = k * pi/2 + r: k by rounding, r by the exact Cody-Waite steps above plus lo, so
+    |r| <= pi/4 + 0.5 + 2^-22. Taylor polynomials in r to degree 11 (sin) and 12 (cos)
+    truncate below 5e-9 on that range; with float32 evaluation the result is within a few
+    float32 ulps of the true sin/cos of hi + lo. The quadrant k mod 4 swaps and negates.
+    """
+    k = tl.floor(hi * _TWO_OVER_PI + 0.5)
+    r = tl.fma(-k, _PIO2_1, hi)
+    r = tl.fma(-k, _PIO2_2, r)
+    r = tl.fma(-k, _PIO2_3, r)
+    r = r + lo
+    r2 = r * r
+    s = tl.fma(r2, -2.505210838544172e-08, 2.755731922398589e-06)    # 1/11!, 1/9!
+    s = tl.fma(r2, s, -1.984126984126984e-04)                        # 1/7!
+    s = tl.fma(r2, s, 8.333333333333333e-03)                         # 1/5!
+    s = tl.fma(r2, s, -1.6666666666666666e-01)                       # 1/3!
+    s = tl.fma(r * r2, s, r)
+    c = tl.fma(r2, 2.08767569878681e-09, -2.755731922398589e-07)     # 1/12!, 1/10!
+    c = tl.fma(r2, c, 2.48015873015873e-05)                          # 1/8!
+    c = tl.fma(r2, c, -1.388888888888889e-03)                        # 1/6!
+    c = tl.fma(r2, c, 4.1666666666666664e-02)                        # 1/4!
+    c = tl.fma(r2, c, -0.5)
+    c = tl.fma(r2, c, 1.0)
+    q = k.to(tl.int32)
+    swap = (q & 1) != 0
+    sin = tl.where(swap, c, s)
+    cos = tl.where(swap, s, c)
+    sin = tl.where((q & 2) != 0, -sin, sin)
+    cos = tl.where(((q + 1) & 2) != 0, -cos, cos)
+    return sin, cos
+
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "search_steps",
-                               "cp_size", "cp_rank", "freqs_len"])
+                               "cp_size", "cp_rank", "freqs_len", "angle_scale"])
 def rotary_kernel(
-    OUT, X, FREQS, START_POSITIONS, CU_SEQLENS,
+    OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
     num_tokens, seq_len, batch, nheads, rotary_dim, head_dim, freqs_len,
-    num_seqs, search_steps, cp_size, cp_rank,
+    num_seqs, search_steps, cp_size, cp_rank, angle_scale,
     stride_x_seq, stride_x_batch, stride_x_head, stride_x_dim,
     stride_out_seq, stride_out_batch, stride_out_head, stride_out_dim,
     stride_freqs_seq, stride_freqs_dim,
+    stride_pos_axis, stride_pos_seq, stride_pos_batch,
     BLOCK_T: tl.constexpr,       # tokens per program
     BLOCK_H: tl.constexpr,       # heads per program
     BLOCK_HALF: tl.constexpr,    # power of two >= rotary_dim // 2
@@ -48,27 +115,44 @@ def rotary_kernel(
     SEQ_MAJOR: tl.constexpr,     # token index is seq-major (sbhd) or batch-major (bshd)
     HAS_START: tl.constexpr,
     WIDE_INNER: tl.constexpr,    # offsets inside one token may exceed int32 (exotic strides)
+    ANGLES_FROM_POSITIONS: tl.constexpr,  # FREQS is inv_freq [d2/2], else the table [s2, d2]
+    POSITIONS_FROM: tl.constexpr,         # IMPLICIT_POSITIONS, POSITIONS_TENSOR, ...
 ):
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, 1,
-               stride_x_seq, stride_x_batch, stride_x_head, stride_x_head, stride_x_dim,
-               stride_out_seq, stride_out_batch, stride_out_head, stride_out_head, stride_out_dim,
-               stride_freqs_seq, stride_freqs_dim, freqs_len, rotary_dim, head_dim, num_tokens,
-               seq_len, batch, num_seqs, search_steps, cp_size, cp_rank, BLOCK_T, BLOCK_H,
-               BLOCK_HALF, BLOCK_PASS, INTERLEAVED, BACKWARD, IS_THD, SEQ_MAJOR, HAS_START,
-               WIDE_INNER)
+    _rope_tile(
+        OUT=OUT, X=X, FREQS=FREQS, PAIR_AXIS=PAIR_AXIS, POSITIONS=POSITIONS,
+        START_POSITIONS=START_POSITIONS, CU_SEQLENS=CU_SEQLENS,
+        heads=heads, nheads=nheads, heads_per_group=1,
+        stride_x_seq=stride_x_seq, stride_x_batch=stride_x_batch, stride_x_group=stride_x_head,
+        stride_x_head=stride_x_head, stride_x_dim=stride_x_dim,
+        stride_out_seq=stride_out_seq, stride_out_batch=stride_out_batch,
+        stride_out_group=stride_out_head, stride_out_head=stride_out_head,
+        stride_out_dim=stride_out_dim,
+        stride_freqs_seq=stride_freqs_seq, stride_freqs_dim=stride_freqs_dim,
+        stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
+        stride_pos_batch=stride_pos_batch,
+        freqs_len=freqs_len, angle_scale=angle_scale, rotary_dim=rotary_dim, head_dim=head_dim,
+        num_tokens=num_tokens, seq_len=seq_len, batch=batch, num_seqs=num_seqs,
+        search_steps=search_steps, cp_size=cp_size, cp_rank=cp_rank,
+        BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
+        INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, SEQ_MAJOR=SEQ_MAJOR,
+        HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
+        ANGLES_FROM_POSITIONS=ANGLES_FROM_POSITIONS, POSITIONS_FROM=POSITIONS_FROM)
 
 
 @triton.jit
-def _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, heads_per_group,
+def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
+               heads, nheads, heads_per_group,
                stride_x_seq, stride_x_batch, stride_x_group, stride_x_head, stride_x_dim,
                stride_out_seq, stride_out_batch, stride_out_group, stride_out_head, stride_out_dim,
-               stride_freqs_seq, stride_freqs_dim, freqs_len, rotary_dim, head_dim, num_tokens,
+               stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
+               stride_pos_batch, freqs_len, angle_scale, rotary_dim, head_dim, num_tokens,
                seq_len, batch, num_seqs, search_steps, cp_size, cp_rank,
                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
                IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr,
-               WIDE_INNER: tl.constexpr):
+               WIDE_INNER: tl.constexpr, ANGLES_FROM_POSITIONS: tl.constexpr,
+               POSITIONS_FROM: tl.constexpr):
     """Rotate one tile: the program's BLOCK_T tokens times the given BLOCK_H heads.
 
     All loads of the tile are issued first, and positions and cos/sin are worked out while
@@ -115,11 +199,17 @@ def _rope_tile(OUT, X, FREQS, START_POSITIONS, CU_SEQLENS, heads, nheads, heads_
         x_pass = tl.load(x_base + offs_p[None, None, :] * stride_x_dim, mask=mask_p)
 
     # Positions and cos/sin, shared by all heads of the tile.
-    in_seq, pos = _positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len,
-                             num_seqs, search_steps, cp_size, cp_rank, IS_THD, HAS_START)
-    cos1, cos2, sin_a, sin_b = _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq,
-                                         stride_freqs_dim, compute_dtype, BLOCK_T, BLOCK_HALF,
-                                         INTERLEAVED, BACKWARD)
+    in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
+                             seq_len, num_seqs, search_steps, cp_size, cp_rank, stride_pos_seq,
+                             stride_pos_batch, IS_THD, HAS_START, POSITIONS_FROM)
+    if ANGLES_FROM_POSITIONS:
+        cos1, cos2, sin_a, sin_b = _rotation_from_positions(
+            FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale, half, stride_pos_axis,
+            compute_dtype, BLOCK_HALF, BACKWARD, POSITIONS_FROM)
+    else:
+        cos1, cos2, sin_a, sin_b = _rotation_from_table(
+            FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
+            compute_dtype, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD)
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))
@@ -172,12 +262,22 @@ def _token_coords(tok, seq_len, batch, IS_THD: tl.constexpr, SEQ_MAJOR: tl.const
 
 
 @triton.jit
-def _positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len, num_seqs,
-               search_steps, cp_size, cp_rank, IS_THD: tl.constexpr, HAS_START: tl.constexpr):
+def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len,
+               num_seqs, search_steps, cp_size, cp_rank, stride_pos_seq, stride_pos_batch,
+               IS_THD: tl.constexpr, HAS_START: tl.constexpr, POSITIONS_FROM: tl.constexpr):
     """(in_seq, pos): whether each token lies inside a thd sequence (always, otherwise) and
-    its position, i.e. its row of freqs."""
+    its position (int64). With axis positions (M-RoPE), `pos` is instead the token's element
+    offset in POSITIONS, the axis still to be added per pair."""
     in_seq = tok >= 0
-    local_len = seq_len
+    if POSITIONS_FROM != IMPLICIT_POSITIONS:
+        offset = seq_idx.to(tl.int64) * stride_pos_seq + batch_idx.to(tl.int64) * stride_pos_batch
+        if POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
+            return in_seq, offset
+        return in_seq, tl.load(POSITIONS + offset).to(tl.int64)
+    # int64 from here on: with a long (e.g. expanded) freqs table, start positions and the
+    # context-parallel offsets can pass 2^31.
+    seq_idx = seq_idx.to(tl.int64)
+    local_len = seq_len.to(tl.int64)
     if IS_THD:
         # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
         # each sequence. Binary search for the last sequence starting at or before the token.
@@ -189,8 +289,8 @@ def _positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len, nu
             lo = tl.where(go_right, mid, lo)
             hi = tl.where(go_right, hi, mid - 1)
         batch_idx = lo
-        seq_start = tl.load(CU_SEQLENS + batch_idx) // cp_size
-        seq_end = tl.load(CU_SEQLENS + tl.minimum(batch_idx + 1, num_seqs)) // cp_size
+        seq_start = (tl.load(CU_SEQLENS + batch_idx) // cp_size).to(tl.int64)
+        seq_end = (tl.load(CU_SEQLENS + tl.minimum(batch_idx + 1, num_seqs)) // cp_size).to(tl.int64)
         # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
         in_seq = (tok >= seq_start) & (tok < seq_end)
         seq_idx = tok - seq_start
@@ -204,37 +304,43 @@ def _positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len, nu
         pos = tl.where(seq_idx < half_len, seq_idx + cp_rank * half_len,
                        seq_idx + cp_size * local_len - (cp_rank + 2) * half_len)
     if HAS_START:
-        pos = pos + tl.load(START_POSITIONS + tl.minimum(batch_idx, num_seqs - 1))
+        pos = pos + tl.load(START_POSITIONS + tl.minimum(batch_idx, num_seqs - 1)).to(tl.int64)
     return in_seq, pos
 
 
 @triton.jit
-def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
-              compute_dtype: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_HALF: tl.constexpr,
-              INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr):
-    """cos/sin factors [P, 1, K] of both pair members for the P positions `pos`:
-    (cos1, cos2, sin_a, sin_b) such that out1 = x1*cos1 - x2*sin_a and
+def _rotation_from_table(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
+                         compute_dtype: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                         BACKWARD: tl.constexpr):
+    """cos/sin factors [P, 1, K] of both pair members for the P positions `pos`, read from
+    the angle table: (cos1, cos2, sin_a, sin_b) such that out1 = x1*cos1 - x2*sin_a and
     out2 = x2*cos2 + x1*sin_b (the forward, or its transpose)."""
     half = rotary_dim // 2
-    # A position outside freqs has no defined rotation: NaN, rather than an out-of-bounds read
-    # or a silently clamped angle.
+    # A position outside freqs has no defined rotation: NaN, and its row is never read.
     pos_ok = (pos >= 0) & (pos < freqs_len)
-    f_base = FREQS + tl.where(pos_ok, pos, 0).to(tl.int64)[:, None] * stride_freqs_seq
+    f_base = FREQS + tl.where(pos_ok, pos, 0)[:, None] * stride_freqs_seq
     # Angles of the two members of each pair: channels (k, k + half) for rotate-half,
     # (2k, 2k + 1) interleaved.
     if INTERLEAVED:
         offs_d = tl.arange(0, 2 * BLOCK_HALF)
-        f = tl.load(f_base + offs_d[None, :] * stride_freqs_dim, mask=offs_d[None, :] < rotary_dim, other=0.0)
+        f = tl.load(f_base + offs_d[None, :] * stride_freqs_dim,
+                    mask=pos_ok[:, None] & (offs_d[None, :] < rotary_dim), other=0.0)
         f1, f2 = tl.split(tl.reshape(f.to(compute_dtype), [BLOCK_P, BLOCK_HALF, 2]))
     else:
         offs_k = tl.arange(0, BLOCK_HALF)
-        mask_k = offs_k[None, :] < half
+        mask_k = pos_ok[:, None] & (offs_k[None, :] < half)
         f1 = tl.load(f_base + offs_k[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
         f2 = tl.load(f_base + (offs_k + half)[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
-    # Precise sin/cos (libdevice, like TE's sincosf) cost tens of instructions each: computed
-    # once per (position, channel) of the tile and reused for all its heads.
-    sin1, cos1 = tl.sin(f1), tl.cos(f1)
-    sin2, cos2 = tl.sin(f2), tl.cos(f2)
+    if compute_dtype == tl.float64:
+        sin1, cos1 = tl.sin(f1), tl.cos(f1)
+        sin2, cos2 = tl.sin(f2), tl.cos(f2)
+    elif tl.max(tl.maximum(tl.abs(f1), tl.abs(f2))) < _FAST_REDUCTION_LIMIT:
+        sin1, cos1 = _sincos(f1, 0.0)
+        sin2, cos2 = _sincos(f2, 0.0)
+    else:
+        sin1, cos1 = tl.sin(f1), tl.cos(f1)
+        sin2, cos2 = tl.sin(f2), tl.cos(f2)
     nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
     cos1 = tl.where(pos_ok[:, None], cos1, nan)[:, None, :]
     cos2 = tl.where(pos_ok[:, None], cos2, nan)[:, None, :]
@@ -243,18 +349,62 @@ def _rotation(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_
     return cos1, cos2, sin1[:, None, :], sin2[:, None, :]
 
 
+@triton.jit
+def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, half,
+                             stride_pos_axis, compute_dtype: tl.constexpr,
+                             BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
+                             POSITIONS_FROM: tl.constexpr):
+    """cos/sin factors [P, 1, K] (as `_rotation_from_table` returns them) for angles
+    pos * inv_freq[k], both members of pair k sharing the angle, times angle_scale.
+
+    The product of the integer position and the float32 inverse frequency is kept exact as
+    hi + lo (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
+    exactly), and reduced modulo pi/2 without rounding it first (`_sincos`)."""
+    offs_k = tl.arange(0, BLOCK_HALF)
+    mask_k = offs_k < half
+    inv_freq = tl.load(INV_FREQ + offs_k, mask=mask_k, other=0.0)
+    if POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
+        axis = tl.load(PAIR_AXIS + offs_k, mask=mask_k, other=0).to(tl.int64)
+        p = tl.load(POSITIONS + pos[:, None] + axis[None, :] * stride_pos_axis,
+                    mask=mask_k[None, :], other=0).to(tl.int64)               # [P, K]
+    else:
+        p = pos[:, None]                                                       # [P, 1]
+    if compute_dtype == tl.float64:
+        angle = p.to(tl.float64) * inv_freq.to(tl.float64)[None, :]
+        sin, cos = tl.sin(angle), tl.cos(angle)
+    else:
+        pf = p.to(tl.float32)
+        hi = pf * inv_freq[None, :]
+        lo = tl.fma(pf, inv_freq[None, :], -hi)
+        if tl.max(tl.abs(hi)) < _FAST_REDUCTION_LIMIT:
+            sin, cos = _sincos(hi, lo)
+        else:
+            angle = p.to(tl.float64) * inv_freq.to(tl.float64)[None, :]
+            sin, cos = tl.sin(angle).to(tl.float32), tl.cos(angle).to(tl.float32)
+    sin = (sin * angle_scale)[:, None, :]
+    cos = (cos * angle_scale)[:, None, :]
+    if BACKWARD:
+        return cos, cos, -sin, -sin
+    return cos, cos, sin, sin
+
+
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank",
-                               "q_freqs_len", "k_freqs_len"])
+                               "q_freqs_len", "k_freqs_len", "q_angle_scale", "k_angle_scale"])
 def rotary_qkv_kernel(
-    Q_OUT, K_OUT, V_OUT, Q_IN, K_IN, V_IN, Q_FREQS, K_FREQS, START_POSITIONS,
+    Q_OUT, K_OUT, V_OUT, Q_IN, K_IN, V_IN, Q_FREQS, K_FREQS, Q_PAIR_AXIS, K_PAIR_AXIS,
+    POSITIONS, START_POSITIONS,
     num_tokens, seq_len, batch, kv_heads, q_per_kv, rotary_dim, head_dim, v_dim,
-    q_freqs_len, k_freqs_len, cp_size, cp_rank, q_programs,
-    # (seq, batch, kv group, head in group, channel) strides of q; (seq, batch, head, channel)
-    # of k and v. Forward reads the packed tensor and writes three; backward the reverse.
-    sqi_s, sqi_b, sqi_g, sqi_h, sqi_d, sqo_s, sqo_b, sqo_g, sqo_h, sqo_d,
-    ski_s, ski_b, ski_h, ski_d, sko_s, sko_b, sko_h, sko_d,
-    svi_s, svi_b, svi_h, svi_d, svo_s, svo_b, svo_h, svo_d,
+    q_freqs_len, k_freqs_len, q_angle_scale, k_angle_scale, cp_size, cp_rank, q_programs,
+    # q as (seq, batch, kv group, head in group, channel); k and v as (seq, batch, head,
+    # channel). Forward reads the packed tensor and writes three; backward the reverse.
+    stride_qin_seq, stride_qin_batch, stride_qin_group, stride_qin_head, stride_qin_dim,
+    stride_qout_seq, stride_qout_batch, stride_qout_group, stride_qout_head, stride_qout_dim,
+    stride_kin_seq, stride_kin_batch, stride_kin_head, stride_kin_dim,
+    stride_kout_seq, stride_kout_batch, stride_kout_head, stride_kout_dim,
+    stride_vin_seq, stride_vin_batch, stride_vin_head, stride_vin_dim,
+    stride_vout_seq, stride_vout_batch, stride_vout_head, stride_vout_dim,
     stride_qf_seq, stride_qf_dim, stride_kf_seq, stride_kf_dim,
+    stride_pos_axis, stride_pos_seq, stride_pos_batch,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,       # query heads per program
     BLOCK_KV: tl.constexpr,      # key (and value) heads per program
@@ -262,6 +412,7 @@ def rotary_qkv_kernel(
     BLOCK_V: tl.constexpr,       # power of two >= v_dim
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, SEQ_MAJOR: tl.constexpr,
     HAS_START: tl.constexpr, WIDE_INNER: tl.constexpr,
+    ANGLES_FROM_POSITIONS: tl.constexpr, POSITIONS_FROM: tl.constexpr,
 ):
     """Fused QKV: one launch for q, k and v. Programs along axis 1 first cover the query
     heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS), each
@@ -269,12 +420,26 @@ def rotary_qkv_kernel(
     pid_h = tl.program_id(1)
     if pid_h < q_programs:
         q_heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        _rope_tile(Q_OUT, Q_IN, Q_FREQS, START_POSITIONS, START_POSITIONS, q_heads,
-                   kv_heads * q_per_kv, q_per_kv, sqi_s, sqi_b, sqi_g, sqi_h, sqi_d, sqo_s, sqo_b,
-                   sqo_g, sqo_h, sqo_d, stride_qf_seq, stride_qf_dim, q_freqs_len, rotary_dim,
-                   head_dim, num_tokens, seq_len, batch, batch, 0, cp_size, cp_rank, BLOCK_T,
-                   BLOCK_H, BLOCK_HALF, BLOCK_PASS, INTERLEAVED, BACKWARD, False, SEQ_MAJOR,
-                   HAS_START, WIDE_INNER)
+        _rope_tile(
+            OUT=Q_OUT, X=Q_IN, FREQS=Q_FREQS, PAIR_AXIS=Q_PAIR_AXIS, POSITIONS=POSITIONS,
+            START_POSITIONS=START_POSITIONS, CU_SEQLENS=START_POSITIONS,   # no thd: unused
+            heads=q_heads, nheads=kv_heads * q_per_kv, heads_per_group=q_per_kv,
+            stride_x_seq=stride_qin_seq, stride_x_batch=stride_qin_batch,
+            stride_x_group=stride_qin_group, stride_x_head=stride_qin_head,
+            stride_x_dim=stride_qin_dim,
+            stride_out_seq=stride_qout_seq, stride_out_batch=stride_qout_batch,
+            stride_out_group=stride_qout_group, stride_out_head=stride_qout_head,
+            stride_out_dim=stride_qout_dim,
+            stride_freqs_seq=stride_qf_seq, stride_freqs_dim=stride_qf_dim,
+            stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
+            stride_pos_batch=stride_pos_batch,
+            freqs_len=q_freqs_len, angle_scale=q_angle_scale, rotary_dim=rotary_dim,
+            head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
+            num_seqs=batch, search_steps=0, cp_size=cp_size, cp_rank=cp_rank,
+            BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
+            INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
+            HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
+            ANGLES_FROM_POSITIONS=ANGLES_FROM_POSITIONS, POSITIONS_FROM=POSITIONS_FROM)
     else:
         # Key heads, with the value heads of the same kv heads copied alongside: a key tile
         # alone would be a small program (a quarter of a query tile under 4:1 GQA). The values
@@ -289,36 +454,47 @@ def rotary_qkv_kernel(
             dims = dims.to(tl.int64)
         mask_v = (tok_ok[:, None, None] & (v_heads < kv_heads)[None, :, None]
                   & (dims < v_dim)[None, None, :])
-        v_in = _tile_base(V_IN, seq_idx, batch_idx, svi_s, svi_b, v_heads * svi_h)
-        v = tl.load(v_in + (dims * svi_d)[None, None, :], mask=mask_v)
-        _rope_tile(K_OUT, K_IN, K_FREQS, START_POSITIONS, START_POSITIONS, k_heads, kv_heads, 1,
-                   ski_s, ski_b, ski_h, ski_h, ski_d, sko_s, sko_b, sko_h, sko_h, sko_d,
-                   stride_kf_seq, stride_kf_dim, k_freqs_len, rotary_dim, head_dim, num_tokens,
-                   seq_len, batch, batch, 0, cp_size, cp_rank, BLOCK_T, BLOCK_KV, BLOCK_HALF,
-                   BLOCK_PASS, INTERLEAVED, BACKWARD, False, SEQ_MAJOR, HAS_START, WIDE_INNER)
-        v_out = _tile_base(V_OUT, seq_idx, batch_idx, svo_s, svo_b, v_heads * svo_h)
-        tl.store(v_out + (dims * svo_d)[None, None, :], v, mask=mask_v)
+        v_in = _tile_base(V_IN, seq_idx, batch_idx, stride_vin_seq, stride_vin_batch,
+                          v_heads * stride_vin_head)
+        v = tl.load(v_in + (dims * stride_vin_dim)[None, None, :], mask=mask_v)
+        _rope_tile(
+            OUT=K_OUT, X=K_IN, FREQS=K_FREQS, PAIR_AXIS=K_PAIR_AXIS, POSITIONS=POSITIONS,
+            START_POSITIONS=START_POSITIONS, CU_SEQLENS=START_POSITIONS,   # no thd: unused
+            heads=k_heads, nheads=kv_heads, heads_per_group=1,
+            stride_x_seq=stride_kin_seq, stride_x_batch=stride_kin_batch,
+            stride_x_group=stride_kin_head, stride_x_head=stride_kin_head,
+            stride_x_dim=stride_kin_dim,
+            stride_out_seq=stride_kout_seq, stride_out_batch=stride_kout_batch,
+            stride_out_group=stride_kout_head, stride_out_head=stride_kout_head,
+            stride_out_dim=stride_kout_dim,
+            stride_freqs_seq=stride_kf_seq, stride_freqs_dim=stride_kf_dim,
+            stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
+            stride_pos_batch=stride_pos_batch,
+            freqs_len=k_freqs_len, angle_scale=k_angle_scale, rotary_dim=rotary_dim,
+            head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
+            num_seqs=batch, search_steps=0, cp_size=cp_size, cp_rank=cp_rank,
+            BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_KV, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
+            INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
+            HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
+            ANGLES_FROM_POSITIONS=ANGLES_FROM_POSITIONS, POSITIONS_FROM=POSITIONS_FROM)
+        v_out = _tile_base(V_OUT, seq_idx, batch_idx, stride_vout_seq, stride_vout_batch,
+                           v_heads * stride_vout_head)
+        tl.store(v_out + (dims * stride_vout_dim)[None, None, :], v, mask=mask_v)
 
 
 # --------------------------------------------------------------------------------------------
 # Host side: argument checks (the one place they live) and the launcher.
 # --------------------------------------------------------------------------------------------
 
-import functools  # noqa: E402
-import os  # noqa: E402
-from typing import NamedTuple, Optional  # noqa: E402
-
-import torch  # noqa: E402
-
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-# Launch rule, from timing variants on an H100 (README, "Results and analysis"). A program
-# rotates one tile: all heads of one token up to MAX_TILE_ELEMENTS channels (else a
-# power-of-two group of them), widened to several tokens while it holds fewer than
-# MIN_TILE_ELEMENTS, with NUM_WARPS warps. Tiles shrink (tokens first, then heads) while fewer
-# than MIN_PROGRAMS_PER_SM programs per SM would remain.
+# Launch rule (README, "Results and analysis"). A program rotates one tile: all heads of one
+# token up to MAX_TILE_ELEMENTS channels (else a power-of-two group of them), widened to
+# several tokens while it holds fewer than MIN_TILE_ELEMENTS, with NUM_WARPS warps. Tiles
+# shrink (tokens first, then heads) while fewer than MIN_PROGRAMS_PER_SM programs per SM
+# would remain.
 MIN_TILE_ELEMENTS = 2048
 MAX_TILE_ELEMENTS = 8192
 NUM_WARPS = 2
@@ -332,6 +508,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _launch_rule():
+    """The constants `launch_config` reads; part of every plan's key."""
+    return (MIN_TILE_ELEMENTS, MAX_TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS_PER_SM,
+            INTERPRETER_TILE_ELEMENTS, INTERPRETER_MIN_PROGRAMS, _interpreting())
+
+
 class RopeShape(NamedTuple):
     """Sizes of one RoPE call, as `check_rope_args` read them."""
     seq_len: int       # s (sbhd/bshd) or total tokens t (thd)
@@ -342,13 +524,62 @@ class RopeShape(NamedTuple):
     num_tokens: int    # rows of [h, d] to process
 
 
-def _check_index_tensor(name, value, device, length=None):
+class AngleSource(NamedTuple):
+    """Where a call's angles come from, read off `freqs` by `angle_source`."""
+    angles: torch.Tensor      # the table [s2, 1, 1, d2] (float32), or inv_freq [d2/2] (float32)
+    from_positions: bool      # angles = position * inv_freq, computed in the kernel
+    pair_axis: object         # int32 [d2/2]: position axis of each pair (M-RoPE), or None
+    n_axes: int               # position axes (1, or the M-RoPE sections)
+    scale: float              # multiplies cos and sin (YaRN's attention factor)
+    interleaved: object       # the module's pair layout; None for a table
+
+
+def angle_source(freqs, name="freqs"):
+    """The AngleSource of `freqs`: a table tensor (TE's interface), or a module with
+    `inv_freq` (RotaryPositionEmbedding, or anything with its attributes)."""
+    if isinstance(freqs, AngleSource):
+        return freqs
+    if isinstance(freqs, torch.Tensor):
+        if not freqs.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (used as float32), got "
+                            f"{freqs.dtype}")
+        # Used as float32 (cast, as TE does); a negative-bit view is resolved, not read raw.
+        return AngleSource(freqs.float().resolve_neg(), False, None, 1, 1.0, None)
+    inv_freq = getattr(freqs, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (angle table) or a "
+                        f"RotaryPositionEmbedding, got {type(freqs).__name__}")
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or inv_freq.numel() == 0:
+        raise TypeError(f"{name}.inv_freq must be a non-empty 1-D float32 tensor, got "
+                        f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    n_axes = int(getattr(freqs, "n_axes", 1))
+    pair_axis = getattr(freqs, "pair_axis", None) if n_axes > 1 else None
+    if pair_axis is not None and (pair_axis.dtype != torch.int32
+                                  or pair_axis.shape != inv_freq.shape):
+        raise TypeError(f"{name}.pair_axis must be int32 of inv_freq's shape "
+                        f"{tuple(inv_freq.shape)}, got {pair_axis.dtype} {tuple(pair_axis.shape)}")
+    return AngleSource(inv_freq.contiguous(), True,
+                       None if pair_axis is None else pair_axis.contiguous(), n_axes,
+                       float(getattr(freqs, "attention_scaling", 1.0)),
+                       bool(getattr(freqs, "interleaved", False)))
+
+
+def check_layout(source, interleaved, freqs_name="freqs"):
+    """`interleaved` is a bool, and the layout a module was built for."""
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    if source.interleaved is not None and source.interleaved != interleaved:
+        raise ValueError(f"interleaved={interleaved} but {freqs_name} was built with "
+                         f"interleaved={source.interleaved}")
+
+
+def _check_index_tensor(name, value, device, length=None, t_name="t"):
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
     if value.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
     if value.device != device:
-        raise TypeError(f"{name} is on {value.device} but t is on {device}")
+        raise TypeError(f"{name} is on {value.device} but {t_name} is on {device}")
     if value.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
     if length is not None and value.numel() != length:
@@ -357,34 +588,34 @@ def _check_index_tensor(name, value, device, length=None):
 
 
 def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seqlens=None,
-                    cp_size=1, cp_rank=0, interleaved=False, need_kernel=True) -> RopeShape:
-    """Validate one call's arguments (TE's semantics) and return its sizes.
+                    cp_size=1, cp_rank=0, interleaved=False, positions=None, need_kernel=True,
+                    t_name="t", freqs_name="freqs") -> RopeShape:
+    """Validate one call's arguments (TE's semantics, plus `positions` and angles from a
+    RotaryPositionEmbedding) and return its sizes.
 
     Raises TypeError for wrong types, dtypes or devices and ValueError for wrong shapes,
-    formats or values, each naming the argument. Reads only metadata: no device sync, so it
-    is safe under CUDA graph capture and on fake tensors. Checks that need the *values* of
-    `start_positions` / `cu_seqlens` are made by the kernel itself (see `rotary_kernel`).
+    formats or values, each naming the argument (`t_name`/`freqs_name` for entry points that
+    call them otherwise). Reads only metadata: no device sync, so it is safe under CUDA graph
+    capture and on fake tensors. Checks that need the *values* of positions / cu_seqlens are
+    made by the kernel itself (NaN or pass-through, see `apply_rotary_pos_emb`).
     """
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{t_name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"t must be float32, float16, bfloat16 or float64, got {t.dtype}")
+        raise TypeError(f"{t_name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
     if not isinstance(tensor_format, str) or tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
     want_rank = 3 if tensor_format == "thd" else 4
     if t.dim() != want_rank:
-        raise ValueError(f"t must be {want_rank}-D for tensor_format={tensor_format!r} "
+        raise ValueError(f"{t_name} must be {want_rank}-D for tensor_format={tensor_format!r} "
                          f"([{', '.join(tensor_format)}]), got shape {tuple(t.shape)}")
-    if not isinstance(freqs, torch.Tensor):
-        raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
-    if not freqs.is_floating_point():
-        raise TypeError(f"freqs must be a floating-point tensor (used as float32), got {freqs.dtype}")
-    if freqs.device != t.device:
-        raise TypeError(f"freqs is on {freqs.device} but t is on {t.device}")
-    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
-        raise ValueError(f"freqs must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    source = angle_source(freqs, freqs_name)
+    if source.angles.device != t.device:
+        raise TypeError(f"{freqs_name} is on {source.angles.device} but {t_name} is on {t.device}")
+    if source.pair_axis is not None and source.pair_axis.device != t.device:
+        raise TypeError(f"{freqs_name}.pair_axis is on {source.pair_axis.device} but {t_name} "
+                        f"is on {t.device}")
+    check_layout(source, interleaved, freqs_name)
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -396,22 +627,36 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
         raise ValueError("start_positions is not supported with cp_size > 1 (as in TE)")
 
     head_dim = t.shape[-1]
-    rotary_dim = freqs.shape[-1]
-    if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"freqs' last dimension (rotary dim d2) must be even and > 0, "
-                         f"got {rotary_dim}")
+    if source.from_positions:
+        rotary_dim = 2 * source.angles.numel()
+    else:
+        if source.angles.dim() != 4 or source.angles.shape[1] != 1 or source.angles.shape[2] != 1:
+            raise ValueError(f"{freqs_name} must have shape [s2, 1, 1, d2], got "
+                             f"{tuple(source.angles.shape)}")
+        rotary_dim = source.angles.shape[-1]
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"{freqs_name}' last dimension (rotary dim d2) must be even and > 0, "
+                             f"got {rotary_dim}")
     if rotary_dim > head_dim:
-        raise ValueError(f"freqs' last dimension d2={rotary_dim} exceeds t's head dim d={head_dim}")
+        raise ValueError(f"{freqs_name}' rotary dim d2={rotary_dim} exceeds {t_name}'s head dim "
+                         f"d={head_dim}")
 
     if tensor_format == "thd":
-        if cu_seqlens is None:
-            raise ValueError("cu_seqlens is required when tensor_format='thd'")
-        _check_index_tensor("cu_seqlens", cu_seqlens, t.device)
-        if cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must have at least 2 entries ([b + 1]), "
-                             f"got {cu_seqlens.numel()}")
         num_tokens, nheads = t.shape[0], t.shape[1]
-        seq_len, batch = num_tokens, cu_seqlens.numel() - 1
+        if positions is None:
+            if cu_seqlens is None:
+                raise ValueError("cu_seqlens is required when tensor_format='thd' (or positions)")
+            _check_index_tensor("cu_seqlens", cu_seqlens, t.device, t_name=t_name)
+            if cu_seqlens.numel() < 2:
+                raise ValueError(f"cu_seqlens must have at least 2 entries ([b + 1]), "
+                                 f"got {cu_seqlens.numel()}")
+            batch = cu_seqlens.numel() - 1
+        elif cu_seqlens is not None:
+            raise ValueError("give cu_seqlens or positions for tensor_format='thd', not both: "
+                             "positions already place every token")
+        else:
+            batch = 1
+        seq_len = num_tokens
     else:
         if cu_seqlens is not None:
             raise ValueError(f"cu_seqlens is only valid with tensor_format='thd', "
@@ -419,20 +664,65 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
         seq_len, batch = (t.shape[0], t.shape[1]) if tensor_format == "sbhd" else (t.shape[1], t.shape[0])
         nheads = t.shape[2]
         num_tokens = seq_len * batch
-        if seq_len * cp_size > freqs.shape[0]:
-            raise ValueError(f"freqs has {freqs.shape[0]} positions but the sequence needs "
-                             f"s * cp_size = {seq_len} * {cp_size}")
+        if not source.from_positions and positions is None and seq_len * cp_size > source.angles.shape[0]:
+            raise ValueError(f"{freqs_name} has {source.angles.shape[0]} positions but the "
+                             f"sequence needs s * cp_size = {seq_len} * {cp_size}")
         if cp_size > 1 and seq_len % 2:
             raise ValueError(f"with cp_size > 1 the local sequence length must be even "
                              f"(two chunks per rank), got {seq_len}")
     if start_positions is not None:
-        _check_index_tensor("start_positions", start_positions, t.device, length=batch)
+        _check_index_tensor("start_positions", start_positions, t.device, length=batch,
+                            t_name=t_name)
+    if positions is not None:
+        _check_positions(positions, source, tensor_format, seq_len, batch, t.device, t_name,
+                         freqs_name, start_positions is not None, cp_size)
     if need_kernel and t.device.type != "cuda" and not _interpreting():
-        raise TypeError(f"t is on {t.device}: the Triton kernel needs a CUDA tensor "
+        raise TypeError(f"{t_name} is on {t.device}: the Triton kernel needs a CUDA tensor "
                         f"(or TRITON_INTERPRET=1 for CPU tensors)")
     if num_tokens > _INT32_MAX:
-        raise ValueError(f"t has {num_tokens} tokens; at most {_INT32_MAX} are supported")
+        raise ValueError(f"{t_name} has {num_tokens} tokens; at most {_INT32_MAX} are supported")
     return RopeShape(seq_len, batch, nheads, head_dim, rotary_dim, num_tokens)
+
+
+def _check_positions(positions, source, tensor_format, seq_len, batch, device, t_name,
+                     freqs_name, has_start, cp_size):
+    """`positions`: one integer position per token, [s] or [b, s] (sbhd/bshd), [t] (thd);
+    with an M-RoPE module a leading axis dimension, [n_axes, ...]."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor or None, got {type(positions).__name__}")
+    if positions.dtype not in INDEX_DTYPES:
+        raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+    if positions.device != device:
+        raise TypeError(f"positions is on {positions.device} but {t_name} is on {device}")
+    if has_start:
+        raise ValueError("positions and start_positions cannot be combined: positions "
+                         "already give every token's position")
+    if cp_size > 1:
+        raise ValueError("positions cannot be combined with cp_size > 1: give each rank's "
+                         "own positions instead")
+    shapes = [(seq_len,)] if tensor_format == "thd" else [(seq_len,), (batch, seq_len)]
+    names = ["[t]"] if tensor_format == "thd" else ["[s]", "[b, s]"]
+    if source.n_axes > 1:
+        shapes = [(source.n_axes, *s) for s in shapes]
+        names = [f"[{source.n_axes}, {n[1:]}" for n in names]
+    if tuple(positions.shape) not in shapes:
+        raise ValueError(f"positions must have shape {' or '.join(names)} "
+                         f"({' or '.join(str(s) for s in shapes)}) for "
+                         f"tensor_format={tensor_format!r}"
+                         + (f" and {freqs_name} with {source.n_axes} position axes"
+                            if source.n_axes > 1 else "")
+                         + f", got {tuple(positions.shape)}")
+
+
+def _position_strides(positions, source, tensor_format):
+    """(axis, seq, batch) element strides of `positions`; a [s] tensor is shared by the batch."""
+    if positions is None:
+        return 0, 0, 0
+    strides = list(positions.stride())
+    axis = strides.pop(0) if source.n_axes > 1 else 0
+    if len(strides) == 1:
+        return axis, strides[0], 0
+    return axis, strides[1], strides[0]
 
 
 def _overlaps_itself(x: torch.Tensor) -> bool:
@@ -461,9 +751,10 @@ def _num_sms(device_index: int) -> int:
 
 
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
-    """Tile sizes, grid and warps for one call: a pure function of the sizes (no autotuning).
-    Large inputs get one tile shape whatever their length; only inputs too small to give every
-    SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled variants)."""
+    """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
+    autotuning). Large inputs get one tile shape whatever their length; only inputs too small
+    to give every SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled
+    variants)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
@@ -479,10 +770,9 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
     max_block_t = triton.next_power_of_2(shape.num_tokens)
     block_t = min(max_block_t, _pow2_floor(min_tile // (row * block_h)))
     # Triton keeps the tile's [BLOCK_T, BLOCK_HALF] angles one per thread only when there
-    # are at least as many as threads; with fewer, every thread reloads freqs and recomputes
-    # sin/cos for its own channels (4x the instructions in the SASS). A tile of up to
-    # 2 * MIN_TILE_ELEMENTS cannot hide that (h 32 d 64 bf16: 0.82 of copy speed on an H100,
-    # 0.99 with one more token), so it gets more tokens.
+    # are at least as many as threads; with fewer, every thread recomputes sin/cos for its own
+    # channels (4x the instructions in the SASS), which a tile of up to 2 * MIN_TILE_ELEMENTS
+    # cannot hide, so such tiles get more tokens.
     while (block_t * block_half < 32 * NUM_WARPS and block_t * block_h * row < 2 * min_tile
            and block_t < max_block_t):
         block_t *= 2
@@ -504,77 +794,74 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _triton_version():
-    return tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+_WARNED_NO_RUNNER = []
 
 
-# Triton versions whose compiled-kernel launch interface `_Launch` calls directly (checked on
-# 3.6 on a GPU, read in 3.9's source); any other version launches through Triton's JIT only.
-_DIRECT_LAUNCH = (3, 6) <= _triton_version() <= (3, 9)
-
-
-def _hook(hook):
-    """A launch hook, or None for Triton's hook chain with nothing in it: the launch then
-    skips building the metadata that hooks receive (a few microseconds per call)."""
-    return None if hook is None or getattr(hook, "calls", None) == [] else hook
+def _compiled_runner(kernel, grid):
+    """Triton's runner for a compiled kernel and a grid (`CompiledKernel.__getitem__`, what
+    Triton's JIT launches through after binding the arguments), or None, with one warning, on
+    a Triton whose compiled kernels have none."""
+    try:
+        return kernel[(grid[0], grid[1], 1)]
+    except (TypeError, AttributeError, KeyError) as err:
+        if not _WARNED_NO_RUNNER:
+            _WARNED_NO_RUNNER.append(err)
+            import warnings
+            warnings.warn(f"triton_rotary: Triton {triton.__version__} gives no runner for a "
+                          f"compiled kernel ({err!r}); every launch goes through Triton's JIT, "
+                          f"which costs more CPU time per call", RuntimeWarning, stacklevel=3)
+        return None
 
 
 class _Launch:
     """One planned launch of a Triton kernel (grid, scalar arguments and constexprs fixed).
 
-    The first call per pointer alignment and device goes through Triton's JIT, which compiles
-    or finds the kernel; later calls hand the compiled kernel its arguments directly. Triton's
-    per-call binding and specialization of ~40 arguments costs ~22 us of CPU (measured on an
-    H100 host), far more than the ~9 us of the launch itself and than a small RoPE takes on
-    the GPU. The direct call passes exactly what Triton's JIT passes, launch hooks
-    (profilers) included.
+    The first call per device and pointer alignment (which Triton specializes on) goes
+    through Triton's JIT, which compiles or finds the kernel; later calls hand the compiled
+    kernel's runner the arguments directly, skipping the JIT's per-call binding and
+    specialization of ~40 arguments, which costs more CPU time than a small RoPE takes on
+    the GPU. `runners` holds them (tests check that it fills).
     """
 
     def __init__(self, fn, grid, scalars, constexprs):
         self.fn, self.grid, self.scalars, self.constexprs = fn, grid, scalars, constexprs
         # Values of the constexpr parameters in signature order (they come last).
         self.constexpr_values = tuple(constexprs[n] for n in fn.arg_names if n in constexprs)
-        self.compiled = {}
-        self.direct = _DIRECT_LAUNCH and not _interpreting()
+        self.runners = {}
 
     def __call__(self, *tensors):
-        global _DIRECT_LAUNCH
-        if not (self.direct and _DIRECT_LAUNCH):
+        if _interpreting():
             self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
             return
-        active = triton.runtime.driver.active
-        device = active.get_current_device()
-        # Triton specializes pointer arguments on 16-byte alignment.
-        key = (device, *[x is not None and x.data_ptr() % 16 == 0 for x in tensors])
-        kernel = self.compiled.get(key)
-        if kernel is not None:
-            stream = active.get_current_stream(device)
-            args = (*tensors, *self.scalars, *self.constexpr_values)
-            runtime = triton.knobs.runtime
-            enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
-            metadata = (None if enter is None and leave is None
-                        else kernel.launch_metadata(self.grid, stream, *args))
-            try:
-                kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function,
-                           kernel.packed_metadata, metadata, enter, leave, *args)
-                return
-            except TypeError:      # an interface this code does not know: use the JIT from now on
-                _DIRECT_LAUNCH = False
+        key = (torch.cuda.current_device(),
+               *[x is not None and x.data_ptr() % 16 == 0 for x in tensors])
+        runner = self.runners.get(key)
+        if runner is not None:
+            runner(*tensors, *self.scalars, *self.constexpr_values)
+            return
         kernel = self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
-        if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
-            self.compiled[key] = kernel
+        runner = _compiled_runner(kernel, self.grid)
+        if runner is not None:
+            self.runners[key] = runner
 
 
-# Launch plans (validated sizes and a ready `_Launch`), keyed by the metadata
-# that the checks and the launch rule read. A repeated call skips both: small RoPE calls take
-# a few microseconds on the GPU, so host time per call decides their speed.
+class _Plan(NamedTuple):
+    """A validated call: its launch (None when there is nothing to compute) and, for the
+    fused QKV, the (q, k, v) widths."""
+    launch: object
+    split: tuple = ()
+
+
+# Launch plans keyed by everything the checks and the launch rule read (tensors' metadata,
+# never their values; other arguments with their types). A repeated call skips both: small
+# RoPE calls take a few microseconds on the GPU, so host time per call decides their speed.
 _PLANS = {}
 _MAX_PLANS = 4096
 
 
 def _metadata_key(tensors, *values):
-    """Everything a plan depends on: tensors' metadata (never their values) and the other
-    arguments with their types; None where an argument is not a tensor (the checks will say)."""
+    """A plan's key, or None where an argument is not hashable as needed (the checks will
+    say what is wrong with it)."""
     meta = []
     for x in tensors:
         if x is None:
@@ -583,7 +870,13 @@ def _metadata_key(tensors, *values):
             meta.append((x.shape, x.stride(), x.dtype, x.device))
         else:
             return None
-    return (*meta, *[(v, type(v)) for v in values], _interpreting())
+    typed = []
+    for v in values:
+        if isinstance(v, (list, tuple)):       # e.g. qkv_split_arg_list: each element's type
+            typed.append((type(v), tuple((e, type(e)) for e in v)))
+        else:
+            typed.append((v, type(v)))
+    return (*meta, *typed, _launch_rule())
 
 
 def _cached_plan(key, make):
@@ -601,14 +894,27 @@ def _cached_plan(key, make):
     return plan
 
 
-def _make_plan(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
-               interleaved, backward, out):
-    shape = check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
-                            cp_rank, interleaved)
+def _source_scalars(source):
+    """(rows of the table or 0, cos/sin scale) of an AngleSource."""
+    return (0 if source.from_positions else source.angles.shape[0]), source.scale
+
+
+def _positions_mode(source, positions):
+    if positions is None:
+        return IMPLICIT_POSITIONS.value
+    return AXIS_POSITIONS_TENSOR.value if source.n_axes > 1 else POSITIONS_TENSOR.value
+
+
+def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
+               interleaved, backward, out, positions):
+    shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
+                            cp_rank, interleaved, positions)
     in_place = out is t
     if in_place and _overlaps_itself(t):
         raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
                          "expanded tensor)")
+    if t.numel() == 0:
+        return _Plan(None)
     x_strides = _token_strides(t, tensor_format)
     out_strides = x_strides if in_place else (
         _token_strides(out, tensor_format) if out is not None else
@@ -617,47 +923,66 @@ def _make_plan(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     grid, meta = launch_config(shape, t.device, copy_pass=not in_place)
-    scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim, shape.head_dim, freqs.shape[0], shape.batch,
-               max(shape.batch, 1).bit_length() if is_thd else 0, cp_size, cp_rank,
-               *x_strides, *out_strides, freqs.stride(0), freqs.stride(3))
+    freqs_len, scale = _source_scalars(source)
+    scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
+               shape.head_dim, freqs_len, shape.batch,
+               max(shape.batch, 1).bit_length() if is_thd else 0, cp_size, cp_rank, scale,
+               *x_strides, *out_strides,
+               *((0, 0) if source.from_positions else (source.angles.stride(0), source.angles.stride(3))),
+               *_position_strides(positions, source, tensor_format))
     constexprs = dict(INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
                       SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
-                      WIDE_INNER=widest > _INT32_MAX, **meta)
-    return t.numel() == 0, _Launch(rotary_kernel, grid, scalars, constexprs)
+                      WIDE_INNER=widest > _INT32_MAX,
+                      ANGLES_FROM_POSITIONS=source.from_positions,
+                      POSITIONS_FROM=_positions_mode(source, positions), **meta)
+    return _Plan(_Launch(rotary_kernel, grid, scalars, constexprs))
 
+
+def _index_tensor(x):
+    """Index tensors are read with unit stride and without a negative bit."""
+    return x.resolve_neg().contiguous() if isinstance(x, torch.Tensor) else x
 
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
-                      cu_seqlens=None, cp_size=1, cp_rank=0, backward=False, out=None):
+                      cu_seqlens=None, cp_size=1, cp_rank=0, backward=False, out=None,
+                      positions=None):
     """Check the arguments, allocate the output, set up the grid and launch `rotary_kernel`.
 
-    `t` may have any strides; the result is contiguous in `t`'s format and dtype. With
-    `backward=True`, `t` is the gradient of the output and the result the gradient of the
-    input. `out=t` rotates in place (channels past d2 are not touched); `t` must then not
-    overlap itself in memory.
+    `freqs` is a table tensor, a RotaryPositionEmbedding or an AngleSource. `t` may have any
+    strides; the result is contiguous in `t`'s format and dtype. With `backward=True`, `t` is
+    the gradient of the output and the result the gradient of the input. `out=t` rotates in
+    place (channels past d2 are not touched); `t` must then not overlap itself in memory.
     """
-    # freqs is used as float32 (cast, as TE does); the index tensors are read with unit stride.
-    if isinstance(freqs, torch.Tensor) and freqs.is_floating_point() and freqs.dtype != torch.float32:
-        freqs = freqs.float()
-    if isinstance(start_positions, torch.Tensor):
-        start_positions = start_positions.contiguous()
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = cu_seqlens.contiguous()
-    key = _metadata_key((t, freqs, start_positions, cu_seqlens, None if out is t else out), "rope",
-                        tensor_format, interleaved, cp_size, cp_rank, backward, out is t)
-    plan = _cached_plan(key, lambda: _make_plan(t, freqs, tensor_format, start_positions,
+    if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
+        if out is t:
+            raise ValueError("in-place RoPE needs t without a negative or conjugate bit "
+                             "(call t.resolve_neg() first)")
+        t = t.resolve_neg()          # the kernel reads raw memory: apply the sign first
+    if isinstance(out, torch.Tensor) and out is not t and out.is_neg():
+        raise ValueError("out must not have the negative bit")
+    source = angle_source(freqs) if isinstance(freqs, torch.Tensor) or hasattr(freqs, "inv_freq") \
+        else freqs
+    start_positions, cu_seqlens, positions = map(_index_tensor, (start_positions, cu_seqlens, positions))
+    tensors = (t, source.angles if isinstance(source, AngleSource) else source,
+               getattr(source, "pair_axis", None), start_positions, cu_seqlens, positions,
+               None if out is t else out)
+    key = _metadata_key(tensors, "rope", tensor_format, interleaved, cp_size, cp_rank, backward,
+                        out is t, getattr(source, "from_positions", None),
+                        getattr(source, "n_axes", None), getattr(source, "scale", None),
+                        getattr(source, "interleaved", None))
+    plan = _cached_plan(key, lambda: _make_plan(t, source, tensor_format, start_positions,
                                                 cu_seqlens, cp_size, cp_rank, interleaved,
-                                                backward, out))
-    empty, launch = plan
+                                                backward, out, positions))
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    if not empty:
-        launch(out, t, freqs, start_positions, cu_seqlens)
+    if plan.launch is not None:
+        plan.launch(out, t, source.angles, source.pair_axis, positions, start_positions,
+                    cu_seqlens)
     return out
 
 
 def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                   cp_size, cp_rank, interleaved, need_kernel=True):
+                   cp_size, cp_rank, interleaved, positions=None, need_kernel=True):
     """Validate a fused-QKV call; returns (RopeShape of the key part, (q, k, v) widths)."""
     if tensor_format not in ("sbhd", "bshd"):
         raise ValueError(f"tensor_format must be 'sbhd' or 'bshd' for fused QKV, got {tensor_format!r}")
@@ -674,17 +999,18 @@ def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, sta
         raise ValueError(f"qkv_split_arg_list: q width {split[0]} must be a multiple of the head "
                          f"dim (k width) {split[1]}")
     key_part = qkv[..., split[0]:split[0] + split[1]]
-    shape = None
-    for name, freqs in (("q_freqs", q_freqs), ("k_freqs", k_freqs)):
-        try:
-            shape = check_rope_args(key_part, freqs, tensor_format, start_positions, None,
-                                    cp_size, cp_rank, interleaved, need_kernel)
-        except (TypeError, ValueError) as err:
-            raise type(err)(str(err).replace("freqs", name, 1)) from None
-    if q_freqs.shape[-1] != k_freqs.shape[-1]:
+    shapes = [check_rope_args(key_part, freqs, tensor_format, start_positions, None, cp_size,
+                              cp_rank, interleaved, positions, need_kernel, t_name="qkv",
+                              freqs_name=name)
+              for name, freqs in (("q_freqs", q_freqs), ("k_freqs", k_freqs))]
+    q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
+    if shapes[0].rotary_dim != shapes[1].rotary_dim:
         raise ValueError(f"q_freqs and k_freqs must rotate the same number of channels, got "
-                         f"{q_freqs.shape[-1]} and {k_freqs.shape[-1]}")
-    return shape, tuple(split)
+                         f"{shapes[0].rotary_dim} and {shapes[1].rotary_dim}")
+    if (q_source.from_positions, q_source.n_axes) != (k_source.from_positions, k_source.n_axes):
+        raise TypeError("q_freqs and k_freqs must be of one kind: both tables, or both "
+                        "RotaryPositionEmbedding with the same number of position axes")
+    return shapes[1], tuple(split)
 
 
 def _seq_batch_strides(x: torch.Tensor, tensor_format: str):
@@ -705,7 +1031,7 @@ def _qkv_views(qkv, split, grads, result):
     return dq.unflatten(2, (kv_heads, q_per_kv)), q_packed, dk, k_packed, dv, v_packed
 
 
-def _qkv_outputs(qkv, split, grads):
+def qkv_outputs(qkv, split, grads=None):
     lead, kv_heads = qkv.shape[:2], qkv.shape[2]
     new = functools.partial(torch.empty, dtype=qkv.dtype, device=qkv.device)
     if grads is not None:
@@ -715,10 +1041,10 @@ def _qkv_outputs(qkv, split, grads):
             new(*lead, kv_heads, v_dim))
 
 
-def _make_qkv_plan(qkv, q_freqs, k_freqs, split, tensor_format, start_positions, interleaved,
-                   cp_size, cp_rank, grads):
-    shape, split = check_qkv_args(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
-                                  cp_size, cp_rank, interleaved)
+def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_positions, interleaved,
+                   cp_size, cp_rank, grads, positions):
+    shape, split = check_qkv_args(qkv, q_source, k_source, split, tensor_format, start_positions,
+                                  cp_size, cp_rank, interleaved, positions)
     q_dim, k_dim, v_dim = split
     kv_heads, q_per_kv = qkv.shape[2], q_dim // k_dim
     if grads is not None:
@@ -728,7 +1054,9 @@ def _make_qkv_plan(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
             if tuple(g.shape) != shp or g.dtype != qkv.dtype or g.device != qkv.device:
                 raise ValueError(f"{name} must have shape {shp}, dtype {qkv.dtype} and device "
                                  f"{qkv.device}, got {tuple(g.shape)} {g.dtype} {g.device}")
-    views = _qkv_views(qkv, split, grads, _qkv_outputs(qkv.to("meta"), split, grads))
+    if qkv.numel() == 0:
+        return _Plan(None, split)
+    views = _qkv_views(qkv, split, grads, qkv_outputs(qkv.to("meta"), split, grads))
     widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in views)
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
@@ -743,38 +1071,51 @@ def _make_qkv_plan(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
     k_programs = triton.cdiv(kv_heads, block_kv)
     # (seq, batch, then the remaining dims) strides of each view, in the kernel's order.
     strides = [s for x in views for s in (*_seq_batch_strides(x, tensor_format), *x.stride()[2:])]
+    (q_len, q_scale), (k_len, k_scale) = _source_scalars(q_source), _source_scalars(k_source)
+    table_strides = [s for src in (q_source, k_source) for s in
+                     ((0, 0) if src.from_positions else (src.angles.stride(0), src.angles.stride(3)))]
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
-               k_dim, v_dim, q_freqs.shape[0], k_freqs.shape[0], cp_size, cp_rank, q_programs,
-               *strides, q_freqs.stride(0), q_freqs.stride(3), k_freqs.stride(0),
-               k_freqs.stride(3))
+               k_dim, v_dim, q_len, k_len, q_scale, k_scale, cp_size, cp_rank, q_programs,
+               *strides, *table_strides, *_position_strides(positions, q_source, tensor_format))
     constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v,
                       BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
                       HAS_START=start_positions is not None, INTERLEAVED=interleaved,
-                      WIDE_INNER=widest > _INT32_MAX, **meta)
-    return split, qkv.numel() == 0, _Launch(rotary_qkv_kernel, (grid[0], q_programs + k_programs),
-                                            scalars, constexprs)
+                      WIDE_INNER=widest > _INT32_MAX,
+                      ANGLES_FROM_POSITIONS=q_source.from_positions,
+                      POSITIONS_FROM=_positions_mode(q_source, positions), **meta)
+    return _Plan(_Launch(rotary_qkv_kernel, (grid[0], q_programs + k_programs), scalars,
+                         constexprs), split)
 
 
 def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
                           start_positions=None, interleaved=False, cp_size=1, cp_rank=0,
-                          grads=None):
+                          grads=None, positions=None):
     """Fused QKV RoPE in one launch. Forward (grads=None): qkv [s, b, h_kv, q+k+v] (or bshd)
     -> (q [.., h_kv*q/d, d], k [.., h_kv, d], v [.., h_kv, v]), contiguous. Backward
     (grads=(dq, dk, dv), any strides): -> the packed gradient of qkv, contiguous."""
-    if isinstance(q_freqs, torch.Tensor) and q_freqs.is_floating_point():
-        q_freqs = q_freqs.float()
-    if isinstance(k_freqs, torch.Tensor) and k_freqs.is_floating_point():
-        k_freqs = k_freqs.float()
-    if isinstance(start_positions, torch.Tensor):
-        start_positions = start_positions.contiguous()
-    split = tuple(qkv_split_arg_list) if isinstance(qkv_split_arg_list, (list, tuple)) else qkv_split_arg_list
-    key = _metadata_key((qkv, q_freqs, k_freqs, start_positions, *(grads or ())), "qkv", split,
-                        tensor_format, interleaved, cp_size, cp_rank, grads is None)
-    split, empty, launch = _cached_plan(key, lambda: _make_qkv_plan(
-        qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions, interleaved,
-        cp_size, cp_rank, grads))
-    result = _qkv_outputs(qkv, split, grads)
-    if not empty:
-        q_in, q_out, k_in, k_out, v_in, v_out = _qkv_views(qkv, split, grads, result)
-        launch(q_out, k_out, v_out, q_in, k_in, v_in, q_freqs, k_freqs, start_positions)
+    if isinstance(qkv, torch.Tensor):
+        qkv = qkv.resolve_neg()
+    if grads is not None:
+        grads = tuple(g.resolve_neg() if isinstance(g, torch.Tensor) else g for g in grads)
+    sources = [angle_source(f, name) if isinstance(f, torch.Tensor) or hasattr(f, "inv_freq")
+               else f for f, name in ((q_freqs, "q_freqs"), (k_freqs, "k_freqs"))]
+    start_positions, positions = _index_tensor(start_positions), _index_tensor(positions)
+    split = qkv_split_arg_list
+    tensors = (qkv, *[getattr(s, "angles", s) for s in sources],
+               *[getattr(s, "pair_axis", None) for s in sources], start_positions, positions,
+               *(grads or ()))
+    key = _metadata_key(tensors, "qkv", split, tensor_format, interleaved, cp_size, cp_rank,
+                        grads is None,
+                        *[(getattr(s, "from_positions", None), getattr(s, "n_axes", None),
+                           getattr(s, "scale", None), getattr(s, "interleaved", None))
+                          for s in sources])
+    plan = _cached_plan(key, lambda: _make_qkv_plan(
+        qkv, *sources, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
+        grads, positions))
+    result = qkv_outputs(qkv, plan.split, grads)
+    if plan.launch is not None:
+        q_source, k_source = sources
+        q_in, q_out, k_in, k_out, v_in, v_out = _qkv_views(qkv, plan.split, grads, result)
+        plan.launch(q_out, k_out, v_out, q_in, k_in, v_in, q_source.angles, k_source.angles,
+                    q_source.pair_axis, k_source.pair_axis, positions, start_positions)
     return result

@@ -6,11 +6,12 @@
     q_ref = apply_rotary_pos_emb(q, freqs, fused=False)               # pure-PyTorch formula
 """
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
-from triton_rotary_kernel import (check_qkv_args, check_rope_args, set_rotary_kernel,
+from triton_rotary_kernel import (AngleSource, angle_source, check_layout, check_qkv_args,
+                                  check_rope_args, qkv_outputs, set_rotary_kernel,
                                   set_rotary_qkv_kernel)
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "apply_fused_qkv_rotary_pos_emb",
@@ -59,62 +60,119 @@ class RotaryPositionEmbedding(torch.nn.Module):
         return emb.reshape(emb.shape[0], 1, 1, emb.shape[1])
 
 
+def _source_args(source: AngleSource):
+    """An AngleSource as the plain values autograd functions and custom ops take."""
+    return source.angles, source.pair_axis, source.from_positions, source.n_axes, source.scale
+
+
+def _source(angles, pair_axis, from_positions, n_axes, scale):
+    # The pair layout was checked against the module's at the entry point.
+    return AngleSource(angles, from_positions, pair_axis, n_axes, scale, None)
+
+
 class RopeForwardAndBackward(torch.autograd.Function):
-    """Autograd wiring: forward and backward are both one launch of `rotary_kernel`."""
+    """Autograd wiring: forward and backward are each one launch of `rotary_kernel`. The
+    backward is this function again with the rotation transposed, so under
+    `create_graph=True` the gradient is differentiable too (its backward is the forward)."""
 
     @staticmethod
-    def forward(ctx, t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
-                cp_size, cp_rank):
-        out = _rope_launch(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved,
-                           False, cp_size, cp_rank)
-        ctx.save_for_backward(freqs, start_positions, cu_seqlens)
-        ctx.args = (tensor_format, interleaved, cp_size, cp_rank)
+    def forward(ctx, t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
+                start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions, transpose):
+        out = _rope_launch(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
+                           start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions,
+                           transpose)
+        ctx.save_for_backward(angles, pair_axis, start_positions, cu_seqlens, positions)
+        ctx.from_positions, ctx.n_axes, ctx.scale = from_positions, n_axes, scale
+        ctx.tensor_format, ctx.interleaved = tensor_format, interleaved
+        ctx.cp_size, ctx.cp_rank, ctx.transpose = cp_size, cp_rank, transpose
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        freqs, start_positions, cu_seqlens = ctx.saved_tensors
-        tensor_format, interleaved, cp_size, cp_rank = ctx.args
-        grad_t = _rope_launch(grad_out, freqs, start_positions, cu_seqlens, tensor_format,
-                              interleaved, True, cp_size, cp_rank)
-        return grad_t, None, None, None, None, None, None, None
+        angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
+        args = (angles, pair_axis, ctx.from_positions, ctx.n_axes, ctx.scale, ctx.tensor_format,
+                start_positions, ctx.interleaved, cu_seqlens, ctx.cp_size, ctx.cp_rank,
+                positions, not ctx.transpose)
+        if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
+            grad_t = RopeForwardAndBackward.apply(grad_out, *args)
+        else:
+            grad_t = _rope_launch(grad_out, *args)
+        return (grad_t,) + (None,) * 13
 
 
-# The kernel as a torch.library op, so that torch.compile(fullgraph=True) sees one opaque,
-# shape-polymorphic node instead of tracing (and specialising on) the launcher's Python.
+# The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
+# shape-polymorphic node per launch instead of tracing (and specialising on) the launcher.
 @torch.library.custom_op("triton_rotary::rope", mutates_args=())
-def _rope_op(t: torch.Tensor, freqs: torch.Tensor, start_positions: Optional[torch.Tensor],
-             cu_seqlens: Optional[torch.Tensor], tensor_format: str, interleaved: bool,
-             backward: bool, cp_size: int, cp_rank: int) -> torch.Tensor:
-    return set_rotary_kernel(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
-                             cp_size, cp_rank, backward=backward)
+def _rope_op(t: torch.Tensor, angles: torch.Tensor, pair_axis: Optional[torch.Tensor],
+             from_positions: bool, n_axes: int, scale: float, tensor_format: str,
+             start_positions: Optional[torch.Tensor], interleaved: bool,
+             cu_seqlens: Optional[torch.Tensor], cp_size: int, cp_rank: int,
+             positions: Optional[torch.Tensor], backward: bool) -> torch.Tensor:
+    return set_rotary_kernel(t, _source(angles, pair_axis, from_positions, n_axes, scale),
+                             tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                             cp_rank, backward=backward, positions=positions)
 
 
 @_rope_op.register_fake
-def _(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, backward, cp_size,
-      cp_rank):
-    check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
-                    interleaved, need_kernel=False)
+def _(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
+      interleaved, cu_seqlens, cp_size, cp_rank, positions, backward):
+    check_rope_args(t, _source(angles, pair_axis, from_positions, n_axes, scale), tensor_format,
+                    start_positions, cu_seqlens, cp_size, cp_rank, interleaved, positions,
+                    need_kernel=False)
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _rope_launch(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, backward,
-                 cp_size, cp_rank):
+@torch.library.custom_op("triton_rotary::rope_", mutates_args=("t",))
+def _rope_inplace_op(t: torch.Tensor, angles: torch.Tensor, pair_axis: Optional[torch.Tensor],
+                     from_positions: bool, n_axes: int, scale: float, tensor_format: str,
+                     start_positions: Optional[torch.Tensor], interleaved: bool,
+                     cu_seqlens: Optional[torch.Tensor], cp_size: int, cp_rank: int,
+                     positions: Optional[torch.Tensor]) -> None:
+    set_rotary_kernel(t, _source(angles, pair_axis, from_positions, n_axes, scale),
+                      tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                      out=t, positions=positions)
+
+
+@_rope_inplace_op.register_fake
+def _(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
+      interleaved, cu_seqlens, cp_size, cp_rank, positions):
+    check_rope_args(t, _source(angles, pair_axis, from_positions, n_axes, scale), tensor_format,
+                    start_positions, cu_seqlens, cp_size, cp_rank, interleaved, positions,
+                    need_kernel=False)
+
+
+def _rope_launch(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
+                 start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions,
+                 backward):
     if torch.compiler.is_compiling():
-        return _rope_op(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved,
-                        backward, cp_size, cp_rank)
+        return _rope_op(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
+                        start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions,
+                        backward)
     # Eager: call the launcher directly, sparing the dispatcher's per-call overhead.
-    return set_rotary_kernel(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
-                             cp_size, cp_rank, backward=backward)
+    return set_rotary_kernel(t, _source(angles, pair_axis, from_positions, n_axes, scale),
+                             tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                             cp_rank, backward=backward, positions=positions)
 
 
 def token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
-                    cp_rank=0, device=None):
-    """Position (row of freqs) of every token, and whether the token belongs to a sequence.
+                    cp_rank=0, device=None, positions=None, n_axes=1):
+    """Position of every token (for a table: its row of freqs), and whether the token belongs
+    to a sequence.
 
     Returns `(pos, in_seq)`, int64 and bool, shaped to broadcast against t without its
-    [h, d] dims: [s, b] for sbhd, [b, s] for bshd, [t] for thd. Pure PyTorch, no host sync.
+    [h, d] dims: [s, b] for sbhd, [b, s] for bshd, [t] for thd (with M-RoPE `positions`, a
+    leading axis dim). Pure PyTorch, no host sync.
     """
+    if positions is not None:
+        pos = positions.long()
+        if tensor_format == "thd":
+            return pos, torch.ones(shape.num_tokens, dtype=torch.bool, device=device)
+        if pos.dim() == (2 if n_axes > 1 else 1):                           # [s]: every batch entry
+            pos = pos.unsqueeze(-2)
+        pos = pos.expand(*pos.shape[:-2], shape.batch, shape.seq_len)      # [.., b, s]
+        if tensor_format == "sbhd":
+            pos = pos.transpose(-1, -2)
+        return pos, torch.ones((), dtype=torch.bool, device=device)
     if tensor_format == "thd":
         num_tokens = shape.num_tokens
         starts = cu_seqlens.long() // cp_size                               # local offsets
@@ -153,22 +211,50 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _pair_angles_to_channels(angles, interleaved):
+    """[..., d2/2] angles of the pairs -> [..., d2] angles of the channels."""
+    if interleaved:
+        return angles.repeat_interleave(2, dim=-1)
+    return torch.cat((angles, angles), dim=-1)
+
+
 def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                  cp_rank):
+                  cp_rank, positions=None):
     """TE's unfused formula in plain PyTorch ops (autograd by PyTorch): cos/sin in float32,
-    cast to t's dtype, then t * cos + rotate_half(t) * sin on the first d2 channels.
+    cast to t's dtype, then t * cos + rotate_half(t) * sin on the first d2 channels. For a
+    RotaryPositionEmbedding, each angle is position * inv_freq computed in float64 (exact),
+    its cos/sin rounded to float32 and scaled by the attention factor.
     Same conventions as the kernel off the happy path: tokens outside every thd sequence pass
-    through; tokens whose position falls outside freqs get NaN in their rotated channels."""
+    through; tokens whose position falls outside a freqs table get NaN in their rotated
+    channels."""
     shape = check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
-                            cp_rank, interleaved, need_kernel=False)
+                            cp_rank, interleaved, positions, need_kernel=False)
+    source = angle_source(freqs)
+    if t.is_neg():
+        t = t.resolve_neg()
     pos, in_seq = token_positions(shape, tensor_format, start_positions, cu_seqlens, cp_size,
-                                  cp_rank, device=t.device)
-    table = freqs.float()[:, 0, 0, :]                                  # [s2, d2]
-    pos_ok = (pos >= 0) & (pos < table.shape[0])
-    angles = table[pos.clamp(0, table.shape[0] - 1)]                   # [..., d2]
-    angles = torch.where(pos_ok[..., None], angles, float("nan"))
-    cos = torch.cos(angles).to(t.dtype)[..., None, :]                  # broadcast over heads
-    sin = torch.sin(angles).to(t.dtype)[..., None, :]
+                                  cp_rank, device=t.device, positions=positions,
+                                  n_axes=source.n_axes)
+    if source.from_positions:
+        inv_freq = source.angles.double()
+        if positions is not None and source.n_axes > 1:
+            # pos [n_axes, ..., tokens]: pair k takes its position from axis pair_axis[k].
+            axis_pos = pos.movedim(0, -1).double()                          # [..., n_axes]
+            pair_pos = axis_pos[..., source.pair_axis.long()]               # [..., d2/2]
+            pair_angles = pair_pos * inv_freq
+        else:
+            pair_angles = pos[..., None].double() * inv_freq
+        angles = _pair_angles_to_channels(pair_angles, interleaved)
+        cos = (torch.cos(angles).float() * source.scale).to(t.dtype)[..., None, :]
+        sin = (torch.sin(angles).float() * source.scale).to(t.dtype)[..., None, :]
+    else:
+        table = source.angles[:, 0, 0, :]                                  # [s2, d2]
+        pos_ok = (pos >= 0) & (pos < table.shape[0])
+        angles = table[pos.clamp(0, max(table.shape[0] - 1, 0))] if table.shape[0] else \
+            torch.zeros(*pos.shape, table.shape[1], device=t.device)
+        angles = torch.where(pos_ok[..., None], angles, float("nan"))
+        cos = torch.cos(angles).to(t.dtype)[..., None, :]                  # broadcast over heads
+        sin = torch.sin(angles).to(t.dtype)[..., None, :]
     rot, rest = t[..., :shape.rotary_dim], t[..., shape.rotary_dim:]
     rotated = rot * cos + _rotate_half(rot, interleaved) * sin
     if tensor_format == "thd":
@@ -176,17 +262,21 @@ def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seql
     return torch.cat((rotated, rest), dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd",
+def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
                          start_positions: Optional[torch.Tensor] = None,
                          interleaved: bool = False, fused: bool = True,
                          cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
-                         cp_rank: int = 0) -> torch.Tensor:
-    """Apply rotary position embedding to `t` (Transformer Engine's signature and semantics).
+                         cp_rank: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Apply rotary position embedding to `t` (Transformer Engine's signature and semantics,
+    plus angles from positions).
 
     t:               [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd); float32,
                      float16, bfloat16 (float64 also works, computed in float64). Any strides.
-    freqs:           [s2, 1, 1, d2] angles, d2 even and <= d, s2 >= s * cp_size. Used as
-                     float32 (other floating dtypes are cast, as TE does); any strides.
+    freqs:           either TE's angle table [s2, 1, 1, d2], d2 even and <= d, s2 >= s * cp_size,
+                     used as float32 (other floating dtypes are cast, as TE does), any strides;
+                     or a `RotaryPositionEmbedding`: the kernel computes each angle as the exact
+                     product position * inv_freq (no table, no float32 rounding of the angle),
+                     times the module's attention scaling.
     start_positions: int32/int64 [b]: token j of sequence i uses position j + start_positions[i].
     interleaved:     rotate adjacent pairs (GPT-J) instead of the two halves (GPT-NeoX).
     fused:           True runs the Triton kernel; False the PyTorch formula.
@@ -194,80 +284,220 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
                      (padded global offsets under context parallelism: a rank holds
                      cu // cp_size).
     cp_size/cp_rank: context parallelism with TE's load-balanced split.
+    positions:       int32/int64 position of every token, replacing the implicit ones: [s]
+                     (shared by the batch) or [b, s] for sbhd/bshd, [t] for thd (then without
+                     cu_seqlens); with an M-RoPE module [n_axes, ...]. Not combined with
+                     start_positions or cp_size > 1. With a table, the position is the row.
 
     Returns a new contiguous tensor of t's shape and dtype; channels d2..d are copied.
     Off the happy path (defined here, unlike TE): thd tokens outside every sequence (before
     cu_seqlens[0] or from cu_seqlens[-1] on) are returned unchanged; a token whose position
-    falls outside [0, s2) (too large start_positions, inconsistent cu_seqlens) gets NaN in
-    its rotated channels rather than reading out of bounds.
+    falls outside a table's [0, s2) (too large start_positions or positions, inconsistent
+    cu_seqlens) gets NaN in its rotated channels rather than reading out of bounds.
     """
     if not fused:
         return _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
-                             cp_size, cp_rank)
-    return RopeForwardAndBackward.apply(t, freqs, tensor_format, start_positions, interleaved,
-                                        cu_seqlens, cp_size, cp_rank)
+                             cp_size, cp_rank, positions)
+    source = angle_source(freqs)
+    check_layout(source, interleaved)      # here, where the module's own layout is known
+    return RopeForwardAndBackward.apply(t, *_source_args(source), tensor_format, start_positions,
+                                        interleaved, cu_seqlens, cp_size, cp_rank, positions,
+                                        False)
 
 
-def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd",
+def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
                                  start_positions: Optional[torch.Tensor] = None,
                                  interleaved: bool = False,
                                  cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
-                                 cp_rank: int = 0) -> torch.Tensor:
+                                 cp_rank: int = 0,
+                                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inference path: rotate `t` in its own storage and return it. Only the first d2 channels
     of each head are read and written; `t` may be a strided view (e.g. q inside a packed qkv
     buffer) but must not overlap itself. Same arguments and semantics as
     `apply_rotary_pos_emb`; no autograd (use it under torch.no_grad() / inference_mode())."""
-    if t.requires_grad and torch.is_grad_enabled():
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
         raise ValueError("apply_rotary_pos_emb_inplace is for inference: t requires grad; use "
                          "apply_rotary_pos_emb, or call it under torch.no_grad()")
-    return set_rotary_kernel(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
-                             cp_size, cp_rank, out=t)
+    source = angle_source(freqs)
+    check_layout(source, interleaved)
+    if torch.compiler.is_compiling():
+        _rope_inplace_op(t, *_source_args(source), tensor_format, start_positions, interleaved,
+                         cu_seqlens, cp_size, cp_rank, positions)
+        return t
+    return set_rotary_kernel(t, source, tensor_format, start_positions, interleaved, cu_seqlens,
+                             cp_size, cp_rank, out=t, positions=positions)
 
 
 class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
-    """Fused QKV: one launch forward (packed qkv -> q, k, v), one launch backward."""
+    """Fused QKV: one launch forward (packed qkv -> q, k, v), one launch backward (->
+    the packed gradient). The backward is `_FusedQKVRopeTranspose`, whose own backward is this
+    forward, so double backward works."""
 
     @staticmethod
-    def forward(ctx, qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                interleaved, cp_size, cp_rank):
-        args = (tensor_format, start_positions, interleaved, cp_size, cp_rank)
-        ctx.save_for_backward(qkv, q_freqs, k_freqs, start_positions)
-        ctx.args = (list(qkv_split_arg_list), tensor_format, interleaved, cp_size, cp_rank)
-        return set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, list(qkv_split_arg_list), *args)
+    def forward(ctx, qkv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes,
+                q_scale, k_scale, qkv_split_arg_list, tensor_format, start_positions,
+                interleaved, cp_size, cp_rank, positions):
+        ctx.save_for_backward(q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions,
+                              positions)
+        ctx.from_positions, ctx.n_axes, ctx.q_scale, ctx.k_scale = from_positions, n_axes, q_scale, k_scale
+        ctx.split, ctx.tensor_format, ctx.interleaved = tuple(qkv_split_arg_list), tensor_format, interleaved
+        ctx.cp_size, ctx.cp_rank = cp_size, cp_rank
+        return _qkv_launch(qkv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions,
+                           n_axes, q_scale, k_scale, list(qkv_split_arg_list), tensor_format,
+                           start_positions, interleaved, cp_size, cp_rank, positions)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        qkv, q_freqs, k_freqs, start_positions = ctx.saved_tensors
-        split, tensor_format, interleaved, cp_size, cp_rank = ctx.args
-        dqkv = set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, split, tensor_format, start_positions,
-                                     interleaved, cp_size, cp_rank, grads=(dq, dk, dv))
-        return dqkv, None, None, None, None, None, None, None, None
+        q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
+        args = (q_angles, q_pair_axis, k_angles, k_pair_axis, ctx.from_positions, ctx.n_axes,
+                ctx.q_scale, ctx.k_scale, list(ctx.split), ctx.tensor_format, start_positions,
+                ctx.interleaved, ctx.cp_size, ctx.cp_rank, positions)
+        if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
+            dqkv = _FusedQKVRopeTranspose.apply(dq, dk, dv, *args)
+        else:
+            dqkv = _qkv_backward_launch(dq, dk, dv, *args)
+        return (dqkv,) + (None,) * 15
+
+
+class _FusedQKVRopeTranspose(torch.autograd.Function):
+    """(dq, dk, dv) -> the packed gradient of qkv, as a differentiable function."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions,
+                n_axes, q_scale, k_scale, qkv_split_arg_list, tensor_format, start_positions,
+                interleaved, cp_size, cp_rank, positions):
+        ctx.save_for_backward(q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions,
+                              positions)
+        ctx.from_positions, ctx.n_axes, ctx.q_scale, ctx.k_scale = from_positions, n_axes, q_scale, k_scale
+        ctx.split, ctx.tensor_format, ctx.interleaved = tuple(qkv_split_arg_list), tensor_format, interleaved
+        ctx.cp_size, ctx.cp_rank = cp_size, cp_rank
+        return _qkv_backward_launch(dq, dk, dv, q_angles, q_pair_axis, k_angles, k_pair_axis,
+                                    from_positions, n_axes, q_scale, k_scale, qkv_split_arg_list,
+                                    tensor_format, start_positions, interleaved, cp_size, cp_rank,
+                                    positions)
+
+    @staticmethod
+    def backward(ctx, grad_dqkv):
+        q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
+        args = (q_angles, q_pair_axis, k_angles, k_pair_axis, ctx.from_positions, ctx.n_axes,
+                ctx.q_scale, ctx.k_scale, list(ctx.split), ctx.tensor_format, start_positions,
+                ctx.interleaved, ctx.cp_size, ctx.cp_rank, positions)
+        if torch.is_grad_enabled():
+            ddq, ddk, ddv = FusedQKVRopeForwardAndBackward.apply(grad_dqkv, *args)
+        else:
+            ddq, ddk, ddv = _qkv_launch(grad_dqkv, *args)
+        return (ddq, ddk, ddv) + (None,) * 15
+
+
+def _qkv_sources(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
+                 k_scale):
+    return (_source(q_angles, q_pair_axis, from_positions, n_axes, q_scale),
+            _source(k_angles, k_pair_axis, from_positions, n_axes, k_scale))
+
+
+@torch.library.custom_op("triton_rotary::qkv_rope", mutates_args=())
+def _qkv_op(qkv: torch.Tensor, q_angles: torch.Tensor, q_pair_axis: Optional[torch.Tensor],
+            k_angles: torch.Tensor, k_pair_axis: Optional[torch.Tensor], from_positions: bool,
+            n_axes: int, q_scale: float, k_scale: float, qkv_split_arg_list: List[int],
+            tensor_format: str, start_positions: Optional[torch.Tensor], interleaved: bool,
+            cp_size: int, cp_rank: int, positions: Optional[torch.Tensor]
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sources = _qkv_sources(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes,
+                           q_scale, k_scale)
+    return set_rotary_qkv_kernel(qkv, *sources, qkv_split_arg_list, tensor_format,
+                                 start_positions, interleaved, cp_size, cp_rank,
+                                 positions=positions)
+
+
+@_qkv_op.register_fake
+def _(qkv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
+      k_scale, qkv_split_arg_list, tensor_format, start_positions, interleaved, cp_size, cp_rank,
+      positions):
+    sources = _qkv_sources(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes,
+                           q_scale, k_scale)
+    _, split = check_qkv_args(qkv, *sources, qkv_split_arg_list, tensor_format, start_positions,
+                              cp_size, cp_rank, interleaved, positions, need_kernel=False)
+    return qkv_outputs(qkv, split)
+
+
+@torch.library.custom_op("triton_rotary::qkv_rope_backward", mutates_args=())
+def _qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                     q_angles: torch.Tensor, q_pair_axis: Optional[torch.Tensor],
+                     k_angles: torch.Tensor, k_pair_axis: Optional[torch.Tensor],
+                     from_positions: bool, n_axes: int, q_scale: float, k_scale: float,
+                     qkv_split_arg_list: List[int], tensor_format: str,
+                     start_positions: Optional[torch.Tensor], interleaved: bool, cp_size: int,
+                     cp_rank: int, positions: Optional[torch.Tensor]) -> torch.Tensor:
+    return _qkv_backward_eager(dq, dk, dv, q_angles, q_pair_axis, k_angles, k_pair_axis,
+                               from_positions, n_axes, q_scale, k_scale, qkv_split_arg_list,
+                               tensor_format, start_positions, interleaved, cp_size, cp_rank,
+                               positions)
+
+
+@_qkv_backward_op.register_fake
+def _(dq, dk, dv, *args):
+    return dq.new_empty((*dq.shape[:2], dk.shape[2], sum(args[8])))
+
+
+def _qkv_launch(qkv, *args):
+    if torch.compiler.is_compiling():
+        return _qkv_op(qkv, *args)
+    sources = _qkv_sources(*args[:8])
+    return set_rotary_qkv_kernel(qkv, *sources, *args[8:14], positions=args[14])
+
+
+def _qkv_backward_eager(dq, dk, dv, *args):
+    """The packed gradient of qkv. Only qkv's shape, dtype and device matter to the backward
+    launch, so a zero-stride stand-in takes its place (qkv itself is not kept for backward)."""
+    split = list(args[8])
+    packed = dq.new_empty(()).expand(*dq.shape[:2], dk.shape[2], sum(split))
+    return set_rotary_qkv_kernel(packed, *_qkv_sources(*args[:8]), split, *args[9:14],
+                                 grads=(dq, dk, dv), positions=args[14])
+
+
+def _qkv_backward_launch(dq, dk, dv, *args):
+    if torch.compiler.is_compiling():
+        return _qkv_backward_op(dq, dk, dv, *args)
+    return _qkv_backward_eager(dq, dk, dv, *args)
 
 
 def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                 interleaved, cp_size, cp_rank):
+                 interleaved, cp_size, cp_rank, positions=None):
     check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                   cp_size, cp_rank, interleaved, need_kernel=False)
+                   cp_size, cp_rank, interleaved, positions, need_kernel=False)
     q, k, v = torch.split(qkv, list(qkv_split_arg_list), dim=-1)
     q = q.reshape(*q.shape[:2], -1, qkv_split_arg_list[1])
     rope = lambda x, f: _unfused_rope(x, f, tensor_format, start_positions, interleaved, None,  # noqa: E731
-                                      cp_size, cp_rank)
+                                      cp_size, cp_rank, positions)
     return rope(q, q_freqs), rope(k, k_freqs), v.contiguous()
 
 
-def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
-                                   qkv_split_arg_list, tensor_format: str = "sbhd",
+def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_split_arg_list,
+                                   tensor_format: str = "sbhd",
                                    start_positions: Optional[torch.Tensor] = None,
                                    interleaved: bool = False, cp_size: int = 1, cp_rank: int = 0,
-                                   fused: bool = True):
+                                   fused: bool = True, positions: Optional[torch.Tensor] = None):
     """RoPE on a fused QKV projection (TE's `apply_fused_qkv_rotary_pos_emb`).
 
     qkv: [s, b, h_kv, q + k + v] (sbhd) or [b, s, h_kv, q + k + v] (bshd), split along the last
     dim by `qkv_split_arg_list` = [q, k, v] with k the head dim d and q a multiple of it.
+    q_freqs/k_freqs: two tables, or two RotaryPositionEmbedding (angles from positions).
     Returns contiguous q [.., h_kv * q / d, d] rotated with q_freqs, k [.., h_kv, d] rotated with
     k_freqs, and v [.., h_kv, v] unchanged: one kernel launch forward and one backward (which
     writes the packed gradient of qkv). Other arguments as in `apply_rotary_pos_emb`.
     """
-    fn = FusedQKVRopeForwardAndBackward.apply if fused else _unfused_qkv
-    return fn(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-              interleaved, cp_size, cp_rank)
+    if not fused:
+        return _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format,
+                            start_positions, interleaved, cp_size, cp_rank, positions)
+    q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
+    for name, source in (("q_freqs", q_source), ("k_freqs", k_source)):
+        check_layout(source, interleaved, name)
+    if q_source.from_positions != k_source.from_positions or q_source.n_axes != k_source.n_axes:
+        # Named here: the autograd function below takes one kind for both.
+        check_qkv_args(qkv, q_source, k_source, qkv_split_arg_list, tensor_format,
+                       start_positions, cp_size, cp_rank, interleaved, positions)
+    return FusedQKVRopeForwardAndBackward.apply(
+        qkv, q_source.angles, q_source.pair_axis, k_source.angles, k_source.pair_axis,
+        q_source.from_positions, q_source.n_axes, q_source.scale, k_source.scale,
+        qkv_split_arg_list, tensor_format, start_positions, interleaved, cp_size, cp_rank,
+        positions)
