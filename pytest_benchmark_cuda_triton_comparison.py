@@ -384,6 +384,314 @@ def test_rotary_position_embedding_matches_formula():
     torch.testing.assert_close(scaled, RotaryPositionEmbedding(8, rotary_base=100.0, device=DEVICE)(5) / 2)
 
 
+# --- transformers RoPE scaling and M-RoPE: transformers itself is the oracle -------------------
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers is the oracle for rope_scaling / M-RoPE")
+
+
+def _quiet_transformers(tf):
+    # Configs such as yarn with a factor unlike max/original length only warn; keep the log clean.
+    tf.logging.set_verbosity_error()
+
+
+# (model, config kwargs): Llama / Phi configs whose own rotary module gives transformers' inv_freq.
+_HF_ROPE_CASES = {
+    "default": ("llama", dict(head_dim=128, rope_theta=500000.0)),
+    "default_partial": ("phi", dict(hidden_size=2560, num_attention_heads=32, partial_rotary_factor=0.4)),
+    "linear_legacy_type_key": ("llama", dict(head_dim=64, rope_scaling={"type": "linear", "factor": 2.5})),
+    "linear_partial": ("phi", dict(hidden_size=1024, num_attention_heads=8, partial_rotary_factor=0.5,
+                                   rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama3_1": ("llama", dict(head_dim=128, rope_theta=500000.0, max_position_embeddings=131072,
+                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "llama3_2": ("llama", dict(head_dim=64, rope_theta=500000.0, max_position_embeddings=131072,
+                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "llama3_original_from_max_positions": (
+        "llama", dict(head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                    "high_freq_factor": 3.0})),
+    # factors that are not powers of two, so rounding depends on the order of the float32 ops
+    "llama3_odd_factor": ("llama", dict(head_dim=128, max_position_embeddings=32768,
+                                        rope_scaling={"rope_type": "llama3", "factor": 6.0, "low_freq_factor": 1.5,
+                                                      "high_freq_factor": 7.0,
+                                                      "original_max_position_embeddings": 4096})),
+    "yarn_odd_factor": ("llama", dict(head_dim=128, max_position_embeddings=32768,
+                                      rope_scaling={"rope_type": "yarn", "factor": 3.3, "beta_fast": 64,
+                                                    "truncate": False, "original_max_position_embeddings": 2048})),
+    "yarn_qwen": ("llama", dict(head_dim=128, rope_theta=1000000.0, max_position_embeddings=131072,
+                                rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 32768})),
+    "yarn_mscale": ("llama", dict(head_dim=64, rope_theta=10000.0, max_position_embeddings=163840,
+                                  rope_scaling={"rope_type": "yarn", "factor": 40, "mscale": 0.707,
+                                                "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                                "original_max_position_embeddings": 4096})),
+    "yarn_attention_factor_no_truncate": (
+        "llama", dict(head_dim=64, rope_theta=150000.0, max_position_embeddings=131072,
+                      rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "attention_factor": 1.25,
+                                    "original_max_position_embeddings": 4096})),
+    "yarn_factor_from_lengths": ("llama", dict(head_dim=96, max_position_embeddings=32768,
+                                               rope_scaling={"rope_type": "yarn", "factor": None,
+                                                             "original_max_position_embeddings": 4096})),
+    "yarn_partial_legacy_keys": ("phi", dict(hidden_size=2048, num_attention_heads=16, partial_rotary_factor=0.5,
+                                             rope_theta=20000.0, max_position_embeddings=8192,
+                                             rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 16})),
+}
+
+
+def _hf_rope_module(tf, model, kwargs):
+    import copy
+    kwargs = copy.deepcopy(kwargs)
+    if model == "llama":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        kwargs.setdefault("hidden_size", 1024)
+        kwargs.setdefault("num_attention_heads", 8)
+        config = tf.LlamaConfig(**kwargs)
+        return config, LlamaRotaryEmbedding(config)
+    from transformers.models.phi.modeling_phi import PhiRotaryEmbedding
+    config = tf.PhiConfig(**kwargs)
+    return config, PhiRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("case", sorted(_HF_ROPE_CASES))
+def test_inv_freq_and_attention_scaling_match_transformers(case):
+    tf = _transformers()
+    _quiet_transformers(tf)
+    model, kwargs = _HF_ROPE_CASES[case]
+    config, hf_rope = _hf_rope_module(tf, model, kwargs)
+    expected_inv, expected_scale = hf_rope.inv_freq, hf_rope.attention_scaling
+    assert expected_inv.dtype == torch.float32
+
+    # Built by hand from the same numbers a user would read off the model card ...
+    head_dim = kwargs.get("head_dim") or kwargs.get("hidden_size", 1024) // kwargs.get("num_attention_heads", 8)
+    rope_scaling = {k: v for k, v in (kwargs.get("rope_scaling") or {}).items()}
+    direct = RotaryPositionEmbedding(head_dim, rotary_percent=kwargs.get("partial_rotary_factor", 1.0),
+                                     rotary_base=kwargs.get("rope_theta", 10000.0), device="cpu",
+                                     rope_scaling=rope_scaling or None,
+                                     max_position_embeddings=kwargs.get("max_position_embeddings", 2048))
+    # ... from the config object, and from its serialised dict.
+    from_obj = RotaryPositionEmbedding.from_hf_config(config, device="cpu")
+    from_dict = RotaryPositionEmbedding.from_hf_config(config.to_dict(), device="cpu")
+    for emb in (direct, from_obj, from_dict):
+        assert emb.inv_freq.dtype == torch.float32 and emb.inv_freq.shape == expected_inv.shape
+        assert torch.equal(emb.inv_freq, expected_inv)
+        assert isinstance(emb.attention_scaling, float) and emb.attention_scaling == expected_scale
+        assert emb.rotary_dim == 2 * expected_inv.numel()
+        assert emb.n_axes == 1 and emb.mrope_section is None and not emb.mrope_interleaved
+        assert emb.pair_axis.dtype == torch.int32 and not emb.pair_axis.any()
+        assert emb.pair_axis.shape == expected_inv.shape
+
+
+def test_yarn_attention_scaling_follows_the_paper():
+    """Independent of transformers: YaRN's mscale, 0.1 * ln(s) + 1, and DeepSeek's ratio form."""
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096}
+    emb = RotaryPositionEmbedding(64, device="cpu", rope_scaling=yarn)
+    assert emb.attention_scaling == pytest.approx(0.1 * math.log(16.0) + 1)
+    ds = dict(yarn, mscale=0.5, mscale_all_dim=2.0)
+    emb = RotaryPositionEmbedding(64, device="cpu", rope_scaling=ds)
+    assert emb.attention_scaling == pytest.approx((0.05 * math.log(16.0) + 1) / (0.2 * math.log(16.0) + 1))
+    # High frequencies are kept, low ones interpolated by the factor.
+    base = RotaryPositionEmbedding(64, device="cpu").inv_freq
+    assert torch.equal(emb.inv_freq[:2], base[:2])
+    torch.testing.assert_close(emb.inv_freq[-2:], base[-2:] / 16.0)
+
+
+def test_from_hf_config_transformers4_and_5_layouts():
+    tf = _transformers()
+    _quiet_transformers(tf)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    config = tf.PhiConfig(hidden_size=1024, num_attention_heads=8, partial_rotary_factor=0.5, rope_theta=20000.0,
+                          max_position_embeddings=8192, rope_scaling=dict(yarn))
+    from transformers.models.phi.modeling_phi import PhiRotaryEmbedding
+    hf_rope = PhiRotaryEmbedding(config)
+    v4 = {"hidden_size": 1024, "num_attention_heads": 8, "head_dim": None, "partial_rotary_factor": 0.5,
+          "rope_theta": 20000.0, "max_position_embeddings": 8192, "rope_scaling": dict(yarn)}
+    v5 = {"hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 8192,
+          "rope_parameters": dict(yarn, rope_theta=20000.0, partial_rotary_factor=0.5)}
+    # head_dim, when given, wins over hidden_size // num_attention_heads
+    v5_head_dim = dict(v5, hidden_size=999, num_attention_heads=7, head_dim=128)
+    for cfg in (v4, v5, v5_head_dim):
+        emb = RotaryPositionEmbedding.from_hf_config(cfg, device="cpu")
+        assert torch.equal(emb.inv_freq, hf_rope.inv_freq), cfg
+        assert emb.attention_scaling == hf_rope.attention_scaling
+        assert emb.rotary_dim == 64 and emb.rope_type == "yarn"
+    assert v4["rope_scaling"] == yarn, "from_hf_config must not modify the caller's config"
+
+    # Phi-3 style: a top-level original_max_position_embeddings takes precedence in transformers.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    llama = tf.LlamaConfig(head_dim=64, max_position_embeddings=16384, original_max_position_embeddings=4096,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})
+    expected, _ = ROPE_INIT_FUNCTIONS["yarn"](llama)
+    two_k = RotaryPositionEmbedding(64, device="cpu", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 2048})
+    assert not torch.equal(two_k.inv_freq, expected)      # so the precedence below is observable
+    assert torch.equal(RotaryPositionEmbedding.from_hf_config(llama, device="cpu").inv_freq, expected)
+
+    # No rope information at all: transformers' defaults (theta 10000, full rotation).
+    plain = RotaryPositionEmbedding.from_hf_config({"hidden_size": 512, "num_attention_heads": 8}, device="cpu")
+    default_cfg, default_rope = _hf_rope_module(tf, "llama", dict(hidden_size=512, num_attention_heads=8))
+    assert torch.equal(plain.inv_freq, default_rope.inv_freq) and plain.attention_scaling == 1.0
+
+
+def _mrope_configs(tf, interleaved):
+    """(text config, the same rope wrapped as a VL model config, as transformers 4 would save it)."""
+    if interleaved:     # Qwen3-VL: 16 pairs, H and W each take 4 pairs of every third one
+        rope = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [8, 4, 4], "mrope_interleaved": True}
+        text = tf.Qwen3VLTextConfig(hidden_size=64, num_attention_heads=2, head_dim=32, num_key_value_heads=2,
+                                    rope_parameters=dict(rope))
+        wrapper = tf.Qwen3VLConfig(text_config=text.to_dict())
+        legacy = {"text_config": {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 32,
+                                  "rope_theta": 100.0, "rope_scaling": {k: v for k, v in rope.items()
+                                                                        if k != "rope_theta"}}}
+        return text, wrapper, legacy
+    # Qwen2-VL: contiguous blocks of 4, 6 and 6 pairs; head_dim from hidden_size / heads
+    text = tf.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                                rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                                                 "mrope_section": [4, 6, 6]})
+    wrapper = tf.Qwen2VLConfig(text_config=text.to_dict())
+    legacy = {"hidden_size": 64, "num_attention_heads": 2, "rope_theta": 100.0,      # Qwen2-VL's own config.json
+              "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}}
+    return text, wrapper, legacy
+
+
+def _hf_mrope_module(tf, text_config, interleaved):
+    if interleaved:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+        return Qwen3VLTextRotaryEmbedding(text_config)
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+    return Qwen2VLRotaryEmbedding(text_config)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
+def test_mrope_pair_axis_matches_transformers(interleaved):
+    tf = _transformers()
+    _quiet_transformers(tf)
+    text, wrapper, legacy = _mrope_configs(tf, interleaved)
+    hf_rope = _hf_mrope_module(tf, text, interleaved)
+    seq = 16
+    i = torch.arange(seq)
+    # temporal, height and width positions that differ from each other by a different amount at
+    # every token, so no pair's angle can match a wrong axis at all tokens by aliasing mod 2*pi
+    positions = torch.stack([i, 2 * i + 11, 3 * i + 29])                  # [3, seq]
+    cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    n_pairs = hf_rope.inv_freq.numel()
+    cos, sin = cos[0, :, :n_pairs].double(), sin[0, :, :n_pairs].double()   # [seq, pairs]
+
+    inv = hf_rope.inv_freq.double()
+    per_axis = positions.double()[:, :, None] * inv                        # [3, seq, pairs]
+    embs = [RotaryPositionEmbedding.from_hf_config(c, device="cpu") for c in (text, wrapper, legacy)]
+    for emb in embs:
+        assert torch.equal(emb.inv_freq, hf_rope.inv_freq)
+        assert emb.n_axes == 3 and emb.mrope_interleaved is interleaved
+        assert emb.mrope_section == tuple(hf_rope.mrope_section)
+        assert emb.pair_axis.dtype == torch.int32 and emb.pair_axis.shape == (n_pairs,)
+        assert torch.equal(emb.pair_axis, embs[0].pair_axis)
+    axis = embs[0].pair_axis.long()
+    angle = per_axis[axis, :, torch.arange(n_pairs)].T                       # [seq, pairs]
+    torch.testing.assert_close(cos, angle.cos(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(sin, angle.sin(), atol=1e-4, rtol=0)
+    # every wrong axis would have been caught, for every pair
+    for wrong in range(1, 3):
+        other = per_axis[(axis + wrong) % 3, :, torch.arange(n_pairs)].T
+        gap = torch.maximum((other.cos() - angle.cos()).abs(), (other.sin() - angle.sin()).abs())
+        assert (gap.amax(dim=0) > 1e-2).all()
+    # all three axes are in use, and the interleaved layout leaves the tail to the temporal axis
+    assert set(axis.tolist()) == {0, 1, 2}
+    if interleaved:
+        assert axis[12:].tolist() == [0, 0, 0, 0]
+
+
+def test_mrope_pair_axis_rules():
+    """The layouts spelled out (the Qwen2-VL / Qwen3-VL papers' descriptions)."""
+    contiguous = RotaryPositionEmbedding(20, device="cpu", mrope_section=[2, 3, 5])
+    assert contiguous.pair_axis.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+    interleaved = RotaryPositionEmbedding(20, device="cpu", mrope_section=(4, 3, 3), mrope_interleaved=True)
+    assert interleaved.pair_axis.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    short = RotaryPositionEmbedding(20, device="cpu", mrope_section=(6, 2, 2), mrope_interleaved=True)
+    assert short.pair_axis.tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 0, 0]
+    assert short.mrope_section == (6, 2, 2) and short.n_axes == 3
+    two_axes = RotaryPositionEmbedding(16, device="cpu", mrope_section=[5, 3], interleaved=True)
+    assert two_axes.n_axes == 2 and two_axes.pair_axis.tolist() == [0] * 5 + [1] * 3 and two_axes.interleaved
+    # M-RoPE changes which position a pair uses, never its frequency or the text-only table
+    plain = RotaryPositionEmbedding(20, device="cpu")
+    assert torch.equal(contiguous.inv_freq, plain.inv_freq) and torch.equal(contiguous(7, 3), plain(7, 3))
+
+
+@pytest.mark.parametrize("case", ["llama3_1", "yarn_mscale", "default_partial"])
+def test_rotary_position_embedding_table_matches_transformers(case):
+    """forward()'s angle table, turned into cos/sin, is what the transformers model uses."""
+    tf = _transformers()
+    _quiet_transformers(tf)
+    model, kwargs = _HF_ROPE_CASES[case]
+    config, hf_rope = _hf_rope_module(tf, model, kwargs)
+    emb = RotaryPositionEmbedding.from_hf_config(config, device="cpu")
+    seq, offset = 40, 1000
+    table = emb(seq, offset=offset)
+    assert table.shape == (seq, 1, 1, emb.rotary_dim) and table.dtype == torch.float32
+    cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), (torch.arange(seq) + offset)[None])
+    torch.testing.assert_close(table[:, 0, 0].cos() * emb.attention_scaling, cos[0], atol=2e-6, rtol=0)
+    torch.testing.assert_close(table[:, 0, 0].sin() * emb.attention_scaling, sin[0], atol=2e-6, rtol=0)
+    # and the angles themselves are position times the scaled frequency, rotate-half layout
+    expected = (torch.arange(seq, dtype=torch.float64) + offset)[:, None] * hf_rope.inv_freq.double()
+    torch.testing.assert_close(table[:, 0, 0].double(), torch.cat((expected, expected), -1), rtol=1e-7, atol=0)
+
+
+_BAD_ROPE_ARGS = [
+    (dict(rope_scaling={"rope_type": "ntk-magic"}), ValueError, "rope_scaling.*ntk-magic"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), ValueError, "rope_scaling.*dynamic.*supported"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+                        "original_max_position_embeddings": 4096}), ValueError, "rope_scaling.*longrope.*supported"),
+    (dict(rope_scaling={"rope_type": "linear"}), ValueError, r"rope_scaling\['factor'\]"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": "2"}), TypeError, r"rope_scaling\['factor'\]"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0}), ValueError, r"rope_scaling\['factor'\]"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}), ValueError, "low_freq_factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": 8192}), ValueError, "high_freq_factor"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError, "original_max_position_embeddings"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096}),
+     ValueError, "max_position_embeddings"),
+    (dict(rope_scaling=[("rope_type", "linear")]), TypeError, "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": 500000.0}), ValueError, "rotary_base"),
+    (dict(mrope_section=[10, 10, 10]), ValueError, "mrope_section.*sum"),
+    (dict(mrope_section=[20, 14, -2]), ValueError, "mrope_section.*non-negative"),
+    (dict(mrope_section=[16.0, 8, 8]), TypeError, "mrope_section"),
+    (dict(mrope_section=32), TypeError, "mrope_section"),
+    (dict(mrope_section=[16, 16], mrope_interleaved=True), ValueError, "mrope_section"),
+    (dict(mrope_interleaved=True), ValueError, "mrope_section"),
+    (dict(rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8]}, mrope_section=[8, 16, 8]),
+     ValueError, "mrope_section"),
+    (dict(dim=10, rotary_percent=0.5), ValueError, "even"),
+    (dict(dim=66, rotary_percent=0.01), ValueError, "even"),
+    (dict(dim=0), ValueError, "dim"),
+    (dict(rotary_percent=1.5), ValueError, "rotary_percent"),
+    (dict(rotary_base=-1.0), ValueError, "rotary_base"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,match", _BAD_ROPE_ARGS, ids=[m for _, _, m in _BAD_ROPE_ARGS])
+def test_rope_scaling_bad_arguments_raise(kwargs, error, match):
+    kwargs = dict(kwargs)
+    dim = kwargs.pop("dim", 64)
+    with pytest.raises(error, match=match):
+        RotaryPositionEmbedding(dim, device="cpu", **kwargs)
+
+
+def test_from_hf_config_bad_configs_raise():
+    with pytest.raises(ValueError, match="head_dim"):
+        RotaryPositionEmbedding.from_hf_config({"rope_theta": 10000.0})
+    per_layer = {"hidden_size": 512, "num_attention_heads": 8,
+                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    with pytest.raises(ValueError, match="rope_parameters"):
+        RotaryPositionEmbedding.from_hf_config(per_layer)
+    with pytest.raises(ValueError, match="rope_scaling.*dynamic"):
+        RotaryPositionEmbedding.from_hf_config({"hidden_size": 512, "num_attention_heads": 8,
+                                                "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+
+
 def test_thd_tokens_outside_sequences_pass_through():
     """TE leaves tokens past cu_seqlens[-1] uninitialised; here they are returned unchanged
     (and their gradient passes through), in both the kernel and the unfused path."""

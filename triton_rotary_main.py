@@ -6,6 +6,8 @@
     q_ref = apply_rotary_pos_emb(q, freqs, fused=False)               # pure-PyTorch formula
 """
 
+import math
+from collections.abc import Mapping, Sequence
 from typing import List, Optional, Tuple
 
 import torch
@@ -19,28 +21,327 @@ __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "apply_fused_
            "token_positions"]
 
 
+# rope_type -> how its parameters are read; "mrope" is Qwen2-VL's legacy name for the default
+# frequencies (transformers' Qwen2VLTextConfig rewrites it to "default" the same way).
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+_ROPE_TYPE_ALIASES = {"mrope": "default"}
+# These depend on the sequence length of each call (transformers recomputes inv_freq from
+# max(position_ids) in forward, and for "dynamic" also on the longest call seen so far), which a
+# module that builds one inv_freq at construction cannot reproduce.
+_UNSUPPORTED_ROPE_TYPES = {
+    "dynamic": "its base grows with the longest sequence seen at call time",
+    "longrope": "it switches between short and long factors by the sequence length at call time",
+}
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _rope_number(rope_scaling, key, rope_type, *, allow_none=False, positive=True):
+    if key not in rope_scaling:
+        raise ValueError(f"rope_scaling[{key!r}] is required for rope_type {rope_type!r}")
+    value = rope_scaling[key]
+    if value is None and allow_none:
+        return None
+    if not _is_number(value):
+        raise TypeError(f"rope_scaling[{key!r}] must be a number, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"rope_scaling[{key!r}] must be > 0, got {value!r}")
+    return value
+
+
+def _rope_type_of(rope_scaling) -> str:
+    # transformers' precedence: "rope_type" first, the legacy "type" only when it is absent
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
+    if rope_type in _UNSUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported "
+                         f"({_UNSUPPORTED_ROPE_TYPES[rope_type]}); supported rope types: "
+                         f"{', '.join(_SUPPORTED_ROPE_TYPES)}")
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling has unknown rope_type {rope_type!r}; supported rope types: "
+                         f"{', '.join(_SUPPORTED_ROPE_TYPES)}")
+    return rope_type
+
+
+def _original_max_positions(rope_scaling, max_position_embeddings, rope_type):
+    # transformers fills a missing original_max_position_embeddings from max_position_embeddings
+    value = rope_scaling.get("original_max_position_embeddings", max_position_embeddings)
+    if value is None:
+        raise ValueError(f"rope_type {rope_type!r} needs rope_scaling['original_max_position_embeddings'] "
+                         "or max_position_embeddings")
+    if not _is_number(value) or not value > 0:
+        raise ValueError(f"original_max_position_embeddings must be a positive number, got {value!r}")
+    return value
+
+
+# The inverse-frequency builders below reproduce transformers' float32 arithmetic op for op, in
+# the same order and with the same Python-scalar/tensor mixing: `scalar / tensor` is computed by
+# torch as reciprocal-then-multiply, so e.g. `2 * math.pi / inv_freq` and
+# `torch.full_like(inv_freq, 2 * math.pi) / inv_freq` differ in the last bit. They always run on
+# the CPU, as transformers' rotary modules call them (device=None), and are moved afterwards.
+
+def _base_inv_freq(base, d2):
+    return 1.0 / (base ** (torch.arange(0, d2, 2, dtype=torch.float32) / d2))
+
+
+def _llama3_inv_freq(base, d2, rope_scaling, max_position_embeddings):
+    factor = _rope_number(rope_scaling, "factor", "llama3")
+    low_freq_factor = _rope_number(rope_scaling, "low_freq_factor", "llama3")
+    high_freq_factor = _rope_number(rope_scaling, "high_freq_factor", "llama3")
+    if high_freq_factor <= low_freq_factor:
+        raise ValueError("rope_scaling['high_freq_factor'] must be greater than rope_scaling['low_freq_factor'], "
+                         f"got {high_freq_factor} <= {low_freq_factor}")
+    old_context_len = _original_max_positions(rope_scaling, max_position_embeddings, "llama3")
+    inv_freq = _base_inv_freq(base, d2)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed by factor, short ones kept, the band between blended linearly
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def _yarn_mscale(scale, mscale=1):
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(base, d2, rope_scaling, max_position_embeddings):
+    original = _original_max_positions(rope_scaling, max_position_embeddings, "yarn")
+    factor = _rope_number(rope_scaling, "factor", "yarn", allow_none=True)
+    if factor is None:
+        # DeepSeek-V3 style: the factor is implied by the two context lengths
+        if max_position_embeddings is None:
+            raise ValueError("rope_scaling['factor'] is None, so yarn needs max_position_embeddings to derive it")
+        factor = max_position_embeddings / original
+    attention_factor = rope_scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    elif not _is_number(attention_factor):
+        raise TypeError(f"rope_scaling['attention_factor'] must be a number, got {attention_factor!r}")
+    # falsy values (None, 0) fall back to the paper's defaults, as in transformers
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        # the pair index whose wavelength completes `rotations` turns over the original context
+        return (d2 * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d2 - 1)
+    if low == high:
+        high += 0.001       # a zero-width ramp would divide by zero
+
+    pos_freqs = base ** (torch.arange(0, d2, 2).to(dtype=torch.float32) / d2)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(d2 // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp         # 1 where a pair keeps its original frequency
+    inv_freq = interpolated * (1 - keep) + extrapolated * keep
+    return inv_freq, attention_factor
+
+
+def _rope_inv_freq(rope_type, base, d2, rope_scaling, max_position_embeddings):
+    """(float32 CPU inv_freq [d2/2], attention_scaling) as transformers computes them."""
+    if rope_type == "default":
+        return _base_inv_freq(base, d2), 1.0
+    if rope_type == "linear":
+        factor = _rope_number(rope_scaling, "factor", "linear")
+        inv_freq = _base_inv_freq(base, d2)
+        inv_freq /= factor
+        return inv_freq, 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(base, d2, rope_scaling, max_position_embeddings), 1.0
+    return _yarn_inv_freq(base, d2, rope_scaling, max_position_embeddings)
+
+
+def _mrope_pair_axis(mrope_section, mrope_interleaved, n_pairs):
+    """Position axis of each rotated pair, int32 [n_pairs]."""
+    axis = torch.zeros(n_pairs, dtype=torch.int32)
+    if mrope_section is None:
+        return axis
+    if mrope_interleaved:
+        # Qwen3-VL: axis a in (1, 2) owns every third pair from a, over its first 3*s_a pairs;
+        # the temporal axis keeps every other pair.
+        k = torch.arange(n_pairs)
+        for a in (1, 2):
+            axis[(k % 3 == a) & (k < 3 * mrope_section[a])] = a
+        return axis
+    # Qwen2-VL / Qwen2.5-VL: consecutive blocks of pairs, block i from axis i
+    start = 0
+    for a, size in enumerate(mrope_section):
+        axis[start:start + size] = a
+        start += size
+    return axis
+
+
+def _check_mrope_section(mrope_section, mrope_interleaved, n_pairs):
+    if mrope_section is None:
+        if mrope_interleaved:
+            raise ValueError("mrope_interleaved=True needs mrope_section")
+        return None
+    if isinstance(mrope_section, (str, bytes)) or not hasattr(mrope_section, "__iter__"):
+        raise TypeError(f"mrope_section must be a sequence of ints, got {mrope_section!r}")
+    section = tuple(mrope_section)
+    if not section or not all(isinstance(s, int) and not isinstance(s, bool) for s in section):
+        raise TypeError(f"mrope_section must be a non-empty sequence of ints, got {mrope_section!r}")
+    if any(s < 0 for s in section):
+        raise ValueError(f"mrope_section must be non-negative, got {section}")
+    if sum(section) != n_pairs:
+        raise ValueError(f"mrope_section {section} must sum to rotary_dim / 2 = {n_pairs}, got {sum(section)}")
+    if mrope_interleaved and len(section) != 3:
+        # the interleaved layout (Qwen3-VL) is defined only for temporal, height and width
+        raise ValueError(f"mrope_interleaved=True needs 3 mrope_section entries, got {section}")
+    return section
+
+
+def _config_get(config, key, default=None):
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
 class RotaryPositionEmbedding(torch.nn.Module):
     """Rotary frequencies as TE's module builds them: `forward(max_seq_len, offset=0)` returns
     float32 `[max_seq_len, 1, 1, d2]` with d2 = int(dim * rotary_percent), laid out for the
-    rotate-half (`interleaved=False`) or adjacent-pair (`interleaved=True`) form."""
+    rotate-half (`interleaved=False`) or adjacent-pair (`interleaved=True`) form.
+
+    Beyond TE, it takes Hugging Face transformers' RoPE scaling and multimodal (M-RoPE) settings:
+
+    * `rope_scaling`: a dict in transformers' form, rope_type (or legacy `type`) one of "default",
+      "linear", "yarn", "llama3"; `max_position_embeddings` fills in what transformers takes from
+      the model config (yarn's and llama3's original length, yarn's implied factor).
+    * `inv_freq` [d2/2] float32 is bitwise transformers' for the same config;
+      `attention_scaling` is its factor on cos and sin (1.0 except for yarn). The table of
+      `forward` holds angles only, so `attention_scaling` is not in it.
+    * `mrope_section` / `mrope_interleaved`: pair k rotates by position axis `pair_axis[k]`
+      (Qwen2-VL contiguous blocks, or Qwen3-VL interleaving); `n_axes` axes in all. `forward`'s
+      table uses one position per token, i.e. the text case where every axis is equal.
+    """
 
     def __init__(self, dim: int, rotary_percent: float = 1.0,
                  seq_len_interpolation_factor: Optional[int] = None,
                  pretrained_max_position_embeddings: Optional[int] = None,
                  rotary_base: float = 10000.0, interleaved: bool = False,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, *,
+                 rope_scaling: Optional[Mapping] = None,
+                 max_position_embeddings: Optional[int] = None,
+                 mrope_section: Optional[Sequence[int]] = None,
+                 mrope_interleaved: bool = False):
         super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if not _is_number(rotary_percent) or not 0 < rotary_percent <= 1:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
+        if not _is_number(rotary_base) or not rotary_base > 0:
+            raise ValueError(f"rotary_base must be a positive number, got {rotary_base!r}")
+        if max_position_embeddings is not None and (not _is_number(max_position_embeddings)
+                                                    or not max_position_embeddings > 0):
+            raise ValueError(f"max_position_embeddings must be a positive number, got {max_position_embeddings!r}")
         if rotary_percent < 1.0:
             dim = int(dim * rotary_percent)
+        if dim == 0 or dim % 2:
+            raise ValueError(f"the rotary dimension int(dim * rotary_percent) = {dim} must be even and > 0")
+
+        if rope_scaling is None:
+            rope_scaling = {}
+        if not isinstance(rope_scaling, Mapping):
+            raise TypeError(f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}")
+        rope_type = _rope_type_of(rope_scaling)
+        # transformers 5 keeps these inside its rope dict; a second, different value is ambiguous
+        for key, ours, name in (("rope_theta", rotary_base, "rotary_base"),
+                                ("partial_rotary_factor", rotary_percent, "rotary_percent")):
+            theirs = rope_scaling.get(key)
+            if theirs is not None and float(theirs) != float(ours):
+                raise ValueError(f"rope_scaling[{key!r}] = {theirs!r} disagrees with {name} = {ours!r}")
+        if mrope_section is None:
+            mrope_section = rope_scaling.get("mrope_section")
+        elif rope_scaling.get("mrope_section") is not None and \
+                tuple(rope_scaling["mrope_section"]) != tuple(mrope_section):
+            raise ValueError(f"rope_scaling['mrope_section'] = {rope_scaling['mrope_section']!r} disagrees with "
+                             f"mrope_section = {mrope_section!r}")
+        mrope_interleaved = bool(mrope_interleaved or rope_scaling.get("mrope_interleaved", False))
+        n_pairs = dim // 2
+        mrope_section = _check_mrope_section(mrope_section, mrope_interleaved, n_pairs)
+
+        inv_freq, attention_scaling = _rope_inv_freq(rope_type, rotary_base, dim, rope_scaling,
+                                                     max_position_embeddings)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.rotary_base = rotary_base
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.interleaved = interleaved
-        # theta_i = base^(-2i/dim), one per rotated pair
-        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base ** exponents))
+        self.rotary_dim = dim
+        self.rope_type = rope_type
+        self.attention_scaling = float(attention_scaling)
+        self.max_position_embeddings = max_position_embeddings
+        self.mrope_section = mrope_section
+        self.mrope_interleaved = mrope_interleaved if mrope_section is not None else False
+        self.n_axes = 1 if mrope_section is None else len(mrope_section)
+        self.register_buffer("inv_freq", inv_freq.to(device))
+        # not persistent, so state dicts keep TE's single entry
+        self.register_buffer("pair_axis", _mrope_pair_axis(mrope_section, mrope_interleaved, n_pairs).to(device),
+                             persistent=False)
+
+    @classmethod
+    def from_hf_config(cls, config, device: Optional[torch.device] = None, interleaved: bool = False):
+        """The rotary embedding of a transformers model config (a PretrainedConfig or its dict):
+        transformers 5's `rope_parameters` or transformers 4's `rope_theta` + `rope_scaling`,
+        taken from `text_config` when the config is a multimodal wrapper."""
+        text_config = _config_get(config, "text_config")
+        if text_config is not None and _config_get(config, "num_attention_heads") is None \
+                and _config_get(config, "head_dim") is None:
+            config = text_config
+        rope = _config_get(config, "rope_parameters") or _config_get(config, "rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise TypeError(f"config's rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
+        if rope and all(isinstance(v, Mapping) or v is None for v in rope.values()):
+            raise ValueError(f"config has per-layer-type rope_parameters ({', '.join(rope)}); "
+                             "build one RotaryPositionEmbedding per layer type instead")
+        rope = dict(rope)
+        rope_type = _rope_type_of(rope)
+        rope["rope_type"] = rope_type
+        rope.pop("type", None)
+
+        theta = rope.get("rope_theta")
+        if theta is None:
+            theta = _config_get(config, "rope_theta")
+        if theta is None:
+            theta = _config_get(config, "default_theta", 10000.0)
+        rope["rope_theta"] = theta
+        partial = rope.get("partial_rotary_factor")
+        if partial is None:
+            partial = _config_get(config, "partial_rotary_factor")
+        partial = 1.0 if partial is None else partial
+        rope["partial_rotary_factor"] = partial
+
+        head_dim = _config_get(config, "head_dim")
+        if head_dim is None:
+            hidden, heads = _config_get(config, "hidden_size"), _config_get(config, "num_attention_heads")
+            if hidden is None or heads is None:
+                raise ValueError("config needs head_dim, or hidden_size and num_attention_heads")
+            head_dim = hidden // heads
+        max_positions = _config_get(config, "max_position_embeddings")
+        # Phi-3 keeps the pre-training length at the top level, and there it wins (as in transformers)
+        top_original = _config_get(config, "original_max_position_embeddings")
+        if top_original is not None and rope_type in ("yarn", "llama3"):
+            rope["original_max_position_embeddings"] = top_original
+
+        return cls(head_dim, rotary_percent=partial, rotary_base=theta, interleaved=interleaved, device=device,
+                   rope_scaling=rope, max_position_embeddings=max_positions,
+                   mrope_section=rope.get("mrope_section"),
+                   mrope_interleaved=bool(rope.get("mrope_interleaved", False)))
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         positions = torch.arange(max_seq_len, dtype=torch.float32, device=self.inv_freq.device) + offset
