@@ -1331,7 +1331,7 @@ def _fraction(row):
 def _model_flags(rows):
     """Why a models point needs a look: ours below the target, or below the best peer (by
     fraction of copy, since liger moves other bytes than we do)."""
-    peers = [(_fraction(rows[p]), p) for p in PEERS if p in rows]
+    peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
     best_peer = max(peers) if peers else None
     flags = []
     for ours in OURS:
@@ -1445,9 +1445,13 @@ def _write_model_plots(out_dir):
     table = _model_table(results)
     if not table:
         return
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:   # the CSVs still hold every number
+        print(f"models plots skipped: {err!r}", flush=True)
+        plt = None
     for dtype in BENCH_DTYPES:
         for mode in MODEL_MODES:
             rows = {point: r for (point, dt, md), r in table.items() if dt == dtype and md == mode}
@@ -1465,6 +1469,8 @@ def _write_model_plots(out_dir):
                     writer.writerow([point, f"{r['copy']['ms']:.5f}" if "copy" in r else ""] + [
                         v for p in present for v in ((f"{r[p]['ms']:.5f}", f"{_fraction(r[p]):.4f}")
                                                      if p in r else ("", ""))])
+            if plt is None:
+                continue
             fig, ax = plt.subplots(figsize=(max(10.0, 0.8 * len(points)), 5.5))
             width = 0.8 / max(len(present), 1)
             for i, p in enumerate(present):
@@ -1521,7 +1527,7 @@ def _write_gpus_summary():
             cells = []
             for g in with_models:
                 rows = tables[g].get(key, {})
-                peers = [(_fraction(rows[p]), p) for p in PEERS if p in rows]
+                peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
                 best = max(peers) if peers else None
                 ours = [f"{f:.3f}" if (f := _fraction(rows.get(p))) is not None else "-" for p in OURS]
                 cells.append(" / ".join(ours) + (f" / {best[0]:.3f} {best[1]}" if best else " / -"))
@@ -1653,6 +1659,8 @@ def run_benchmarks(argv=None):
         if sweep == "models":
             if model_modes:
                 _run_models(dtypes, model_modes, results, stamp)
+            else:
+                print(f"models skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
             continue
         for dtype_name in dtypes:
             for mode in modes:
