@@ -1487,7 +1487,7 @@ def _write_model_plots(out_dir):
             fracs = [_fraction(r[p]) for r in rows.values() for p in present if p in r]
             ax.set_ylim(max(0.0, math.floor(10 * min(fracs + [0.9]) - 0.5) / 10), max(fracs + [1.0]) + 0.05)
             ax.set_title(f"RoPE at model shapes, {dtype}, {mode}")
-            ax.legend(fontsize=8, loc="lower left")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
             fig.tight_layout()
             fig.savefig(stem + ".png", dpi=110)
             plt.close(fig)
