@@ -1091,9 +1091,44 @@ def test_more_than_2_pow_31_elements():
 # Benchmarks: python pytest_benchmark_cuda_triton_comparison.py [--sweeps a,b] [--dtypes bf16]
 # ---------------------------------------------------------------------------------------------
 
-ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts")
+import itertools  # noqa: E402
+from typing import Callable, NamedTuple  # noqa: E402
+
+from triton_rotary_kernel import set_rotary_qkv_kernel  # noqa: E402
+
+ARTIFACTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts")
 BENCH_DEFAULTS = dict(seq_length=4096, hidden_size=128, rotary_percent=1.0, batch_size=16,
                       head_num=32, margin=0, interleaved=False, tensor_format="sbhd")
+
+# Per-GPU shapes of real models, one sequence (b = 1) per GPU unless packed (thd). Llama-3
+# style heads: 8B = 32 query / 8 key heads, 70B = 64 / 8, d 128; at tensor parallelism 8 a GPU
+# holds 1/8 of them. `kv` is the layer's key heads that go with a query tensor: liger rotates
+# q and k in one call, so it runs at the query points with k of that many heads; the key
+# points are our kernel's second call of the same layer. Every input is >= 16 MiB in bf16,
+# so that launch latency does not decide the timings (checked when the sweep runs).
+MODEL_POINTS = [
+    dict(name="8B-TP1-q-8K", layout="sbhd", tokens=8192, heads=32, d=128, kv=8),
+    dict(name="8B-TP1-k-8K", layout="sbhd", tokens=8192, heads=8, d=128),
+    dict(name="70B-TP1-q-8K", layout="sbhd", tokens=8192, heads=64, d=128, kv=8),
+    dict(name="8B-TP8-q-64K", layout="sbhd", tokens=65536, heads=4, d=128, kv=1),
+    dict(name="8B-TP8-k-64K", layout="sbhd", tokens=65536, heads=1, d=128),
+    dict(name="70B-TP8-q-128K", layout="sbhd", tokens=131072, heads=8, d=128, kv=1),
+    dict(name="70B-TP8-k-128K", layout="sbhd", tokens=131072, heads=1, d=128),
+    # Other head dims: a 1B-class model (32 q / 8 kv, d 64), phi-2-like (32 heads, no GQA,
+    # d 80: not a power of two), Gemma-2B-like (8 q / 1 kv, d 256).
+    dict(name="d64-h32-16K", layout="sbhd", tokens=16384, heads=32, d=64, kv=8),
+    dict(name="d80-h32-16K", layout="sbhd", tokens=16384, heads=32, d=80, kv=32),
+    dict(name="d256-h8-16K", layout="sbhd", tokens=16384, heads=8, d=256, kv=1),
+    # Packed sequences: many short ones, and a seeded mix of lengths 16-1024 (SFT-style packing).
+    dict(name="thd-2048x64-h8", layout="thd", seqs=2048, seq_len=64, heads=8, d=128),
+    dict(name="thd-mixed-16K-h32", layout="thd", tokens=16384, min_len=16, max_len=1024, seed=0,
+         heads=32, d=128),
+    # Fused QKV [s, 1, kv, (q_per_kv + 2) * d]: 8B at TP1 (8 kv x 4 q), 70B at TP8 (1 kv x 8 q).
+    dict(name="qkv-8B-TP1-8K", layout="qkv", tokens=8192, kv=8, q_per_kv=4, d=128),
+    dict(name="qkv-70B-TP8-32K", layout="qkv", tokens=32768, kv=1, q_per_kv=8, d=128),
+]
+MIN_MODEL_INPUT_BYTES = 16 * 2 ** 20
+
 SWEEPS = {
     "seq_length": [512, 1024, 2048, 4096],
     "hidden_size": [128, 256, 512],
@@ -1105,20 +1140,32 @@ SWEEPS = {
     "tensor_format": ["sbhd", "bshd"],
     "thd_empty_sequences": [0, 16, 48, 112],
     "qkv_seq_length": [1024, 2048, 4096],
+    "models": [p["name"] for p in MODEL_POINTS],
 }
 BENCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("forward", "backward", "forward+backward")
+# The models sweep times the kernels alone, the eager autograd step, and the same step
+# replayed from a CUDA graph: eager minus graph is what the host costs per step.
+MODEL_MODES = ("forward_kernel", "backward_kernel", "forward+backward", "forward+backward (CUDA graph)")
 PROVIDERS = {"torch": "Torch Native", "compile": "torch.compile", "te": "Transformer Engine",
              "triton": "Triton", "copy": "Device copy"}
 STYLES = [("tab:gray", "-"), ("tab:orange", "-"), ("tab:green", "-"), ("tab:blue", "-"),
           ("black", "--")]
+MODEL_PROVIDERS = {"triton": "Triton (freqs table)", "triton_positions": "Triton (positions)",
+                   "liger": "Liger", "flash_attn": "flash-attn (Triton)"}
+MODEL_COLORS = {"triton": "tab:blue", "triton_positions": "tab:cyan", "liger": "tab:red",
+                "flash_attn": "tab:purple"}
+OURS = ("triton", "triton_positions")
+PEERS = ("liger", "flash_attn")
+TARGET_FRACTION = 0.97
+_BENCH_CALLS = [0]
 
 
 def _bench_ms(fn):
     """Median, 20th and 80th percentile in ms (CUDA events, L2 flushed between runs)."""
     import triton.testing
+    _BENCH_CALLS[0] += 1
     return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
-
 
 def _bench_input(params, dtype):
     s, b, h, d = (params["seq_length"] - params["margin"], params["batch_size"], params["head_num"],
@@ -1264,13 +1311,393 @@ def _environment():
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def _write_summary(results, extras):
-    """artifacts/SUMMARY.md: environment, targets, and per point Triton vs TE and vs copy."""
-    env = _environment()
-    by_key = {(r["sweep"], str(r["x"]), r["dtype"], r["mode"], r["provider"]): r for r in results}
+
+
+# --- models sweep: real shapes, our two paths and the peers, each against a copy of its bytes ---
+
+class _Line(NamedTuple):
+    """One provider at one models point: kernels alone, a factory of the autograd step (built
+    on first use, so that a provider failing to build it fails only the modes that need it),
+    and the bytes one pass reads plus writes."""
+    forward: Callable
+    backward: Callable
+    make_step: Callable
+    moved: int
+
+
+@functools.lru_cache(maxsize=None)
+def _peers():
+    """The peers importable here ({name: entry points}) and why the others are not."""
+    found, missing = {}, {}
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction, rope_backward, rope_forward
+        found["liger"] = (LigerRopeFunction, rope_forward, rope_backward)
+    except Exception as err:  # not installed, or a release that does not import on this Triton
+        missing["liger"] = f"liger_kernel.ops.rope: {err!r}"
+    try:
+        from flash_attn.ops.triton.rotary import apply_rotary
+        found["flash_attn"] = apply_rotary
+    except Exception as err:
+        missing["flash_attn"] = f"flash_attn.ops.triton.rotary: {err!r}"
+    return found, missing
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_rope_function(apply_rotary):
+    """flash-attn's forward and backward (the conjugate rotation) as one autograd function,
+    the way its own layer wires them, minus the layer's other imports (einops)."""
+    class FlashRope(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cos, sin, cu_seqlens, max_seqlen):
+            ctx.save_for_backward(cos, sin, cu_seqlens)
+            ctx.max_seqlen = max_seqlen
+            return apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+        @staticmethod
+        def backward(ctx, grad):
+            cos, sin, cu_seqlens = ctx.saved_tensors
+            return (apply_rotary(grad, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=ctx.max_seqlen,
+                                 conjugate=True), None, None, None, None)
+    return FlashRope
+
+
+def _autograd_step(fn, inputs):
+    """One forward + backward of fn(*inputs) -> tuple of outputs through autograd. The incoming
+    gradients are clones of the outputs, so they have the strides a real upstream gradient
+    has (liger's backward copies a gradient that is not in its layout)."""
+    leaves = tuple(x.detach().requires_grad_(True) for x in inputs)
+    grads = tuple(o.detach().clone() for o in fn(*leaves))
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, grads)
+
+
+def _thd_lengths(point, shrink=1):
+    if "seq_len" in point:
+        return [point["seq_len"]] * max(point["seqs"] // shrink, 1)
+    gen = torch.Generator().manual_seed(point["seed"])
+    total, lengths = max(point["tokens"] // shrink, 1), []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(point["min_len"], point["max_len"] + 1, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def _flash_line(apply_rotary, x, freqs, cu_seqlens=None, max_seqlen=None):
+    """flash-attn on x [b, s, h, d] (or thd [t, h, d] with cu_seqlens): its cos/sin tables are
+    [s, d/2] in x's dtype, as its own rotary layer caches them."""
+    half = freqs.view(freqs.shape[0], -1)[:, :x.shape[-1] // 2]
+    cos, sin = half.cos().to(x.dtype), half.sin().to(x.dtype)
+    flash = _flash_rope_function(apply_rotary)
+    return _Line(
+        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen),
+        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, conjugate=True),
+        lambda: _autograd_step(lambda t: (flash.apply(t, cos, sin, cu_seqlens, max_seqlen),), (x,)),
+        2 * x.nbytes)
+
+
+def _liger_line(entry, q_storage, k_storage, freqs):
+    """Liger on q and k given as [b, s, h, d] storage. Its layout is Hugging Face's: [b, h, s, d]
+    views of that storage (a contiguous [b, h, s, d] would cost it a copy), cos/sin
+    [1, s, d] in q's dtype. It rotates q and k in place, forward and backward, in one launch."""
+    liger, rope_forward, rope_backward = entry
+    q, k = q_storage.transpose(1, 2), k_storage.transpose(1, 2)
+    angles = freqs.view(1, freqs.shape[0], -1)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    return _Line(
+        lambda: rope_forward(q, k, cos, sin), lambda: rope_backward(q, k, cos, sin),
+        lambda: _autograd_step(lambda a, b: tuple(liger.apply(a, b, cos, sin)[:2]), (q, k)),
+        2 * (q.nbytes + k.nbytes))
+
+
+def _model_workload(point, dtype, shrink=1):
+    """Input of one models point (`x`, the tensor our kernel takes) and per provider its
+    _Line; `skipped` says why a provider has none. `shrink` divides the token counts (so
+    that a CPU check can build every point under the interpreter)."""
+    d, layout = point["d"], point["layout"]
+    new = functools.partial(torch.randn, dtype=dtype, device=DEVICE)
+    rope = RotaryPositionEmbedding(d, device=DEVICE)
+    peers, missing = _peers()
+    lines, skipped = {}, dict(missing)
+    if layout == "qkv":
+        tokens, kv, per_kv = max(point["tokens"] // shrink, 1), point["kv"], point["q_per_kv"]
+        split = [per_kv * d, d, d]
+        x = new(tokens, 1, kv, sum(split))
+        freqs = rope(tokens)
+        grads = (new(tokens, 1, kv * per_kv, d), new(tokens, 1, kv, d), new(tokens, 1, kv, d))
+
+        def ours(f):
+            return _Line(lambda: set_rotary_qkv_kernel(x, f, f, split),
+                         lambda: set_rotary_qkv_kernel(x, f, f, split, grads=grads),
+                         lambda: _autograd_step(
+                             lambda t: tuple(apply_fused_qkv_rotary_pos_emb(t, f, f, split)), (x,)),
+                         2 * x.nbytes)
+        lines["triton"], lines["triton_positions"] = ours(freqs), ours(rope)
+        for name in PEERS:
+            skipped.setdefault(name, "no fused-QKV entry point")
+        return dict(x=x, lines=lines, skipped=skipped)
+
+    heads = point["heads"]
+    if layout == "thd":
+        lengths = _thd_lengths(point, shrink)
+        tokens = sum(lengths)
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEVICE)
+        x = new(tokens, heads, d)
+        freqs = rope(max(lengths))
+        fmt = dict(tensor_format="thd", cu_seqlens=cu)
+    else:
+        tokens = max(point["tokens"] // shrink, 1)
+        x = new(tokens, 1, heads, d)
+        freqs = rope(tokens)
+        fmt = dict(tensor_format="sbhd")
+
+    def ours(f):
+        return _Line(lambda: set_rotary_kernel(x, f, **fmt),
+                     lambda: set_rotary_kernel(x, f, backward=True, **fmt),
+                     lambda: _autograd_step(lambda t: (apply_rotary_pos_emb(t, f, **fmt),), (x,)),
+                     2 * x.nbytes)
+    lines["triton"], lines["triton_positions"] = ours(freqs), ours(rope)
+
+    if "flash_attn" in peers:
+        if layout == "thd":
+            lines["flash_attn"] = _flash_line(peers["flash_attn"], x, freqs, cu, max(lengths))
+        else:
+            lines["flash_attn"] = _flash_line(peers["flash_attn"], x.view(1, tokens, heads, d), freqs)
+    if layout == "thd":
+        skipped.setdefault("liger", "no varlen (cu_seqlens) entry point")
+    elif "kv" not in point:
+        skipped.setdefault("liger", "key tensor: liger rotates it with the query, at the query point")
+    elif "liger" in peers:
+        lines["liger"] = _liger_line(peers["liger"], new(1, tokens, heads, d), new(1, tokens, point["kv"], d),
+                                     freqs)
+    return dict(x=x, lines=lines, skipped=skipped)
+
+
+def _graphed(step):
+    """`step` captured in a CUDA graph, after a warm-up on a side stream (compiles kernels and
+    plans, and lets autograd set up its streams outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _model_line_ms(line, mode, state):
+    """(median, p20, p80) ms of one provider in one models mode. The autograd step is built
+    once per provider and point (`state`) and serves both forward+backward modes."""
+    if mode in ("forward_kernel", "backward_kernel"):
+        with torch.no_grad():
+            return _bench_ms(line.forward if mode == "forward_kernel" else line.backward)
+    if "step" not in state:
+        state["step"] = line.make_step()
+    if mode == "forward+backward":
+        return _bench_ms(state["step"])
+    graph = _graphed(state["step"])
+    return _bench_ms(graph.replay)
+
+
+def _copy_line(src):
+    copy = lambda: torch.empty_like(src).copy_(src)      # noqa: E731  the memory roofline
+    return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
+
+
+def _copy_ms(copies, x, moved, mode):
+    """Timing of a device copy of `moved` bytes (read + written) in `mode`, measured once per
+    point and dtype: x itself where the provider moves x, else a flat buffer of x's dtype."""
+    if moved not in copies:
+        src = x if moved == 2 * x.nbytes else torch.empty(moved // 2 // x.element_size(),
+                                                          dtype=x.dtype, device=x.device)
+        copies[moved] = (_copy_line(src), {}, {})
+    line, state, done = copies[moved]
+    kind = "kernel" if mode.endswith("_kernel") else mode      # the two kernel modes: one copy
+    if kind not in done:
+        done[kind] = _model_line_ms(line, mode, state)
+    return done[kind]
+
+
+def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None):
+    """Time every models point: per provider and mode its ms and the ms of a device copy of
+    the same bytes (one copy per pass; two for forward+backward, eager or graphed like the
+    provider). Inputs are built once per point and dtype and freed before the next."""
+    import gc
+    for point in points or MODEL_POINTS:
+        for dtype_name in dtype_names:
+            work = _model_workload(point, BENCH_DTYPES[dtype_name], shrink)
+            x = work["x"]
+            if shrink == 1 and x.numel() * 2 < MIN_MODEL_INPUT_BYTES:
+                raise ValueError(f"models point {point['name']}: input {x.numel() * 2} bytes in bf16, "
+                                 f"below {MIN_MODEL_INPUT_BYTES}")
+            for name, why in work["skipped"].items():
+                print(f"  models {point['name']} {dtype_name}: {name} left out: {why}", flush=True)
+            copies = {}   # moved bytes -> (copy _Line, its state, {mode kind: timing})
+            for provider, line in [("copy", _copy_line(x))] + list(work["lines"].items()):
+                state = {}
+                for mode in modes:
+                    try:
+                        reference = _copy_ms(copies, x, line.moved, mode)
+                        timing = reference if provider == "copy" else _model_line_ms(line, mode, state)
+                    except Exception as err:  # e.g. a path not written yet: leave the point out
+                        print(f"  models {point['name']} {dtype_name} {mode}: {provider} failed: "
+                              f"{err!r}"[:400], flush=True)
+                        try:   # let a failed launch or capture surface here, not in the next timing
+                            if ON_GPU:
+                                torch.cuda.synchronize()
+                        except Exception as sync_err:
+                            print(f"  after that failure: {sync_err!r}", flush=True)
+                        continue
+                    moved = line.moved * (2 if mode.startswith("forward+backward") else 1)
+                    results.append(dict(sweep="models", x=point["name"], dtype=dtype_name, mode=mode,
+                                        provider=provider, ms=timing[0], p20=timing[1], p80=timing[2],
+                                        bytes=moved, copy_ms=reference[0], **stamp))
+                    print(f"  models {point['name']} {dtype_name} {mode} {provider}: {timing[0]:.4f} ms, "
+                          f"{reference[0] / timing[0]:.3f} of copy ({moved / timing[0] / 1e6:.0f} GB/s)",
+                          flush=True)
+            del work, x, copies, line, state
+            gc.collect()
+            if ON_GPU:
+                torch.cuda.empty_cache()
+
+
+def _kernel_hash():
+    """Short hash of the kernel and API sources: stamped on every result row, so that a
+    summary can tell rows of the current kernel from rows of an earlier run."""
+    import hashlib
+    digest = hashlib.sha256()
+    for name in ("triton_rotary_kernel.py", "triton_rotary_main.py"):
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
+def _gpu_slug(device_name):
+    name = device_name.lower()
+    for known in ("h100", "h200"):
+        if known in name:
+            return known
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def _mode_slug(mode):
+    return re.sub(r"[^a-z0-9]+", "_", mode.lower()).strip("_")
+
+
+def _load_json(path, default):
+    import json
+    if not os.path.exists(path):
+        return default
+    with open(path) as f:
+        return json.load(f)
+
+
+def _row_key(r):
+    return (r["sweep"], str(r["x"]), r["dtype"], r["mode"], r["provider"])
+
+
+def _provenance(results):
+    """Lines saying which rows were measured with the current kernel sources."""
+    current = _kernel_hash()
+    by_kernel = {}
+    for r in results:
+        by_kernel.setdefault(r.get("kernel"), set()).add(r["sweep"])
+    lines = []
+    for kernel, sweeps in sorted(by_kernel.items(), key=lambda kv: str(kv[0])):
+        rows = sum(r.get("kernel") == kernel for r in results)
+        what = (f"the current kernel sources ({current})" if kernel == current else
+                f"other kernel sources ({kernel}): rerun to refresh" if kernel else
+                "no recorded kernel hash: a run before rows were stamped, they predate the "
+                "current kernel until rerun")
+        dates = sorted({r["date"] for r in results if r.get("kernel") == kernel and r.get("date")})
+        lines.append(f"- {rows} rows measured with {what}; sweeps: {', '.join(sorted(sweeps))}"
+                     + (f"; runs of {', '.join(dates)}" if dates else ""))
+    return lines
+
+
+def _model_table(results):
+    """{(point, dtype, mode): {provider: row}} of the models rows, in table order."""
+    table = {}
+    for r in results:
+        if r["sweep"] == "models":
+            table.setdefault((str(r["x"]), r["dtype"], r["mode"]), {})[r["provider"]] = r
+    names = [p["name"] for p in MODEL_POINTS]
+
+    def order(key):
+        point, dtype, mode = key
+        return (names.index(point) if point in names else len(names), point,
+                list(BENCH_DTYPES).index(dtype) if dtype in BENCH_DTYPES else 9,
+                MODEL_MODES.index(mode) if mode in MODEL_MODES else 9)
+    return {k: table[k] for k in sorted(table, key=order)}
+
+
+def _fraction(row):
+    return row["copy_ms"] / row["ms"] if row and row.get("copy_ms") and row["ms"] > 0 else None
+
+
+def _model_flags(rows):
+    """Why a models point needs a look: ours below the target, or below the best peer (by
+    fraction of copy, since liger moves other bytes than we do)."""
+    peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
+    best_peer = max(peers) if peers else None
+    flags = []
+    for ours in OURS:
+        frac = _fraction(rows.get(ours))
+        if frac is None:
+            continue
+        if frac < TARGET_FRACTION:
+            flags.append(f"{ours} < {TARGET_FRACTION}")
+        if best_peer and frac < best_peer[0]:
+            flags.append(f"{ours} slower than {best_peer[1]}")
+        if frac > 1.05:
+            flags.append(f"{ours} > 1.05 of copy: check")
+    return flags
+
+
+def _models_summary(results):
+    table = _model_table(results)
+    if not table:
+        return []
+    present = [p for p in MODEL_PROVIDERS if any(p in rows for rows in table.values())]
+    lines = ["## models: real shapes (ms, medians, and fraction of copy speed)", "",
+             "Fraction of copy speed = ms of a device copy of the same bytes (one copy per pass, two "
+             "for forward+backward, timed the same way: kernels alone, eager, or graph replay) / "
+             "the provider's ms. Liger moves q and k (its copy is of those bytes); the others move "
+             f"the point's tensor. Flags: ours below {TARGET_FRACTION}, or below the best peer's "
+             "fraction.", ""]
+    flagged = {k: _model_flags(rows) for k, rows in table.items()}
+    for ours in OURS:
+        fracs = [f for rows in table.values() if (f := _fraction(rows.get(ours))) is not None]
+        if fracs:
+            below = sum(f < TARGET_FRACTION for f in fracs)
+            lines.append(f"- {MODEL_PROVIDERS[ours]}: min {min(fracs):.3f} of copy over {len(fracs)} "
+                         f"point-modes, {below} below {TARGET_FRACTION}")
+        else:
+            lines.append(f"- {MODEL_PROVIDERS[ours]}: no results (the path raised or was not run)")
+    lines.append(f"- flagged point-modes: {sum(bool(f) for f in flagged.values())} of {len(table)}")
+    lines += ["", "| point | dtype | mode | copy | " + " | ".join(MODEL_PROVIDERS[p] for p in present)
+              + " | flags |", "|---|---|---|---|" + "---|" * len(present) + "---|"]
+    for (point, dtype, mode), rows in table.items():
+        copy = rows.get("copy")
+        cells = [f"{rows[p]['ms']:.4f} ({_fraction(rows[p]):.3f})" if p in rows else "-" for p in present]
+        lines.append(f"| {point} | {dtype} | {mode} | {copy['ms']:.4f} | " if copy else
+                     f"| {point} | {dtype} | {mode} | - | ")
+        lines[-1] += " | ".join(cells) + f" | {'; '.join(flagged[(point, dtype, mode)])} |"
+    return lines + [""]
+
+
+def _write_summary(out_dir):
+    """<out_dir>/SUMMARY.md from its results.json and run.json: environment, which kernel the
+    rows measured, per point Triton vs TE and vs copy, and the models table."""
+    results = _load_json(os.path.join(out_dir, "results.json"), [])
+    run = _load_json(os.path.join(out_dir, "run.json"), {})
+    env, extras = run.get("environment", {}), run.get("extras", {})
+    by_key = {_row_key(r): r for r in results}
     lines = ["# Benchmark summary", "", "Generated by `make bench` "
-             "(`python pytest_benchmark_cuda_triton_comparison.py`).", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()] + [""]
+             "(`python pytest_benchmark_cuda_triton_comparison.py`; `--summary-only` regenerates it).", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ([f"- note: {run['note']}"] if run.get("note") else []) + _provenance(results) + [""]
     speedups, fractions, table = [], [], []
     def order(key):
         sweep, x = key[0], key[1]
@@ -1278,7 +1705,7 @@ def _write_summary(results, extras):
         return (sweep, values.index(x) if x in values else len(values), x) + key[2:]
 
     for (sweep, x, dtype, mode, provider), r in sorted(by_key.items(), key=lambda kv: order(kv[0])):
-        if provider != "triton":
+        if provider != "triton" or sweep == "models":
             continue
         copy = by_key.get((sweep, x, dtype, mode, "copy"))
         te = by_key.get((sweep, x, dtype, mode, "te"))
@@ -1291,26 +1718,155 @@ def _write_summary(results, extras):
                      f"{te['ms']:.4f} | {speed:.2f}x | " if te else
                      f"| {sweep} | {x} | {dtype} | {mode} | {r['ms']:.4f} | - | - | ")
         table[-1] += f"{copy['ms']:.4f} | {frac:.3f} |" if copy else "- | - |"
-    lines += ["## Targets", ""]
-    if fractions:
-        lines.append(f"- Triton's fraction of copy speed: min {min(fractions):.3f} over "
-                     f"{len(fractions)} points (target >= 0.95 everywhere, >= 0.97 at the defaults)")
-    lines.append(f"- Triton speedup over TE: min {min(speedups):.2f}x over {len(speedups)} points"
-                 if speedups else "- Transformer Engine line absent: " + env["Transformer Engine"])
-    for dtype in BENCH_DTYPES:
-        for mode in MODES:
-            key = ("seq_length", str(BENCH_DEFAULTS["seq_length"]), dtype, mode)
-            tri, copy, te = (by_key.get(key + (p,)) for p in ("triton", "copy", "te"))
-            if tri and copy:
-                lines.append(f"- defaults, {dtype} {mode}: Triton {tri['ms']:.4f} ms = "
-                             f"{copy['ms'] / tri['ms']:.3f} of copy speed"
-                             + (f", {te['ms'] / tri['ms']:.2f}x TE ({te['ms']:.4f} ms)" if te else ""))
-    lines += [f"- {k}: {v}" for k, v in extras.items()] + [""]
-    lines += ["## Per point (ms, medians)", "",
-              "| sweep | x | dtype | mode | Triton | TE | Triton speedup | copy | Triton / copy speed |",
-              "|---|---|---|---|---|---|---|---|---|"] + table
-    with open(os.path.join(ARTIFACTS, "SUMMARY.md"), "w") as f:
+    if table:
+        lines += ["## Targets", ""]
+        if fractions:
+            lines.append(f"- Triton's fraction of copy speed: min {min(fractions):.3f} over "
+                         f"{len(fractions)} points (target >= 0.95 everywhere, >= 0.97 at the defaults)")
+        lines.append(f"- Triton speedup over TE: min {min(speedups):.2f}x over {len(speedups)} points"
+                     if speedups else "- Transformer Engine line absent: "
+                     + str(env.get("Transformer Engine", "not recorded")))
+        for dtype in BENCH_DTYPES:
+            for mode in MODES:
+                key = ("seq_length", str(BENCH_DEFAULTS["seq_length"]), dtype, mode)
+                tri, copy, te = (by_key.get(key + (p,)) for p in ("triton", "copy", "te"))
+                if tri and copy:
+                    lines.append(f"- defaults, {dtype} {mode}: Triton {tri['ms']:.4f} ms = "
+                                 f"{copy['ms'] / tri['ms']:.3f} of copy speed"
+                                 + (f", {te['ms'] / tri['ms']:.2f}x TE ({te['ms']:.4f} ms)" if te else ""))
+        lines += [f"- {k}: {v}" for k, v in extras.items()] + [""]
+    lines += _models_summary(results)
+    if table:
+        lines += ["## Per point (ms, medians)", "",
+                  "| sweep | x | dtype | mode | Triton | TE | Triton speedup | copy | Triton / copy speed |",
+                  "|---|---|---|---|---|---|---|---|---|"] + table
+    with open(os.path.join(out_dir, "SUMMARY.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _write_model_plots(out_dir):
+    """Per dtype and mode of the models rows: fraction of copy speed per point, one bar per
+    provider, lines at 1.0 and at the target (models_<dtype>_<mode>.png), and the numbers
+    (.csv)."""
+    import csv
+    results = _load_json(os.path.join(out_dir, "results.json"), [])
+    table = _model_table(results)
+    if not table:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:   # the CSVs still hold every number
+        print(f"models plots skipped: {err!r}", flush=True)
+        plt = None
+    for dtype in BENCH_DTYPES:
+        for mode in MODEL_MODES:
+            rows = {point: r for (point, dt, md), r in table.items() if dt == dtype and md == mode}
+            if not rows:
+                continue
+            points = list(rows)
+            present = [p for p in MODEL_PROVIDERS if any(p in r for r in rows.values())]
+            stem = os.path.join(out_dir, f"models_{dtype}_{_mode_slug(mode)}")
+            with open(stem + ".csv", "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["point", "copy (ms)"] + [f"{MODEL_PROVIDERS[p]} ({u})" for p in present
+                                                          for u in ("ms", "fraction of copy")])
+                for point in points:
+                    r = rows[point]
+                    writer.writerow([point, f"{r['copy']['ms']:.5f}" if "copy" in r else ""] + [
+                        v for p in present for v in ((f"{r[p]['ms']:.5f}", f"{_fraction(r[p]):.4f}")
+                                                     if p in r else ("", ""))])
+            if plt is None:
+                continue
+            fig, ax = plt.subplots(figsize=(max(10.0, 0.8 * len(points)), 5.5))
+            width = 0.8 / max(len(present), 1)
+            for i, p in enumerate(present):
+                xs = [j + (i - (len(present) - 1) / 2) * width for j, point in enumerate(points) if p in rows[point]]
+                ys = [_fraction(rows[point][p]) for point in points if p in rows[point]]
+                ax.bar(xs, ys, width, label=MODEL_PROVIDERS[p], color=MODEL_COLORS[p])
+            ax.axhline(1.0, color="black", linewidth=1)
+            ax.axhline(TARGET_FRACTION, color="black", linewidth=1, linestyle="--",
+                       label=f"{TARGET_FRACTION} of copy")
+            ax.set_xticks(range(len(points)))
+            ax.set_xticklabels(points, rotation=35, ha="right", fontsize=8)
+            ax.set_ylabel("fraction of copy speed (copy ms / ms)")
+            # Zoomed to the bars, so that a few percent below copy speed stays visible.
+            fracs = [_fraction(r[p]) for r in rows.values() for p in present if p in r]
+            ax.set_ylim(max(0.0, math.floor(10 * min(fracs + [0.9]) - 0.5) / 10), max(fracs + [1.0]) + 0.05)
+            ax.set_title(f"RoPE at model shapes, {dtype}, {mode}")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
+            fig.tight_layout()
+            fig.savefig(stem + ".png", dpi=110)
+            plt.close(fig)
+
+
+def _write_gpus_summary():
+    """artifacts/SUMMARY.md: the GPUs side by side, from every artifacts/<gpu>/results.json."""
+    gpus = sorted(d for d in os.listdir(ARTIFACTS_ROOT)
+                  if os.path.exists(os.path.join(ARTIFACTS_ROOT, d, "results.json")))
+    data = {g: (_load_json(os.path.join(ARTIFACTS_ROOT, g, "results.json"), []),
+                _load_json(os.path.join(ARTIFACTS_ROOT, g, "run.json"), {}).get("environment", {}))
+            for g in gpus}
+    current = _kernel_hash()
+    lines = ["# Benchmarks across GPUs", "",
+             "Generated from `artifacts/<gpu>/results.json` (`python pytest_benchmark_cuda_triton_comparison.py "
+             "--summary-only`, also at the end of every benchmark run); details in each "
+             "`artifacts/<gpu>/SUMMARY.md`. Fraction of copy speed = ms of a device copy of the "
+             "same bytes / ms.", "",
+             "| folder | GPU | driver | torch | triton | date | rows | rows of the current kernel sources |",
+             "|---|---|---|---|---|---|---|---|"]
+    for g, (results, env) in data.items():
+        lines.append(f"| {g} | {env.get('GPU', '-')} | {env.get('driver', '-')} | {env.get('torch', '-')} | "
+                     f"{env.get('triton', '-')} | {env.get('date', '-')} | {len(results)} | "
+                     f"{sum(r.get('kernel') == current for r in results)} |")
+    lines += ["", f"Current kernel sources: {current}. Rows of other sources predate the current kernel "
+              "until rerun.", ""]
+    tables = {g: _model_table(results) for g, (results, _) in data.items()}
+    keys = list(dict.fromkeys(k for t in tables.values() for k in t))
+    if keys:
+        with_models = [g for g in gpus if tables[g]]
+        lines += ["## models: fraction of copy speed", "",
+                  "Per GPU: Triton (freqs table) / Triton (positions) / best peer (liger or flash-attn, "
+                  "by fraction). `-`: not measured or the path raised.", "",
+                  "| point | dtype | mode | " + " | ".join(with_models) + " |",
+                  "|---|---|---|" + "---|" * len(with_models)]
+        for key in keys:
+            cells = []
+            for g in with_models:
+                rows = tables[g].get(key, {})
+                peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
+                best = max(peers) if peers else None
+                ours = [f"{f:.3f}" if (f := _fraction(rows.get(p))) is not None else "-" for p in OURS]
+                cells.append(" / ".join(ours) + (f" / {best[0]:.3f} {best[1]}" if best else " / -"))
+            lines.append(f"| {' | '.join(key)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    sweeps = [s for s in SWEEPS if s != "models" and any(
+        r["sweep"] == s for results, _ in data.values() for r in results)]
+    if sweeps:
+        lines += ["## Other sweeps: Triton's fraction of copy speed", "",
+                  "Per GPU: minimum over the sweep's points, dtypes and modes, and how many are >= 0.95.", "",
+                  "| sweep | " + " | ".join(gpus) + " |", "|---|" + "---|" * len(gpus)]
+        for s in sweeps:
+            cells = []
+            for g in gpus:
+                by_key = {_row_key(r): r for r in data[g][0] if r["sweep"] == s}
+                fracs = [by_key[k[:4] + ("copy",)]["ms"] / r["ms"] for k, r in by_key.items()
+                         if k[4] == "triton" and k[:4] + ("copy",) in by_key]
+                cells.append(f"{min(fracs):.3f} ({sum(f >= 0.95 for f in fracs)}/{len(fracs)})" if fracs else "-")
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    with open(os.path.join(ARTIFACTS_ROOT, "SUMMARY.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _regenerate(gpu_dirs=None):
+    """Summaries and models plots from the stored results; needs no GPU."""
+    for g in gpu_dirs if gpu_dirs is not None else sorted(os.listdir(ARTIFACTS_ROOT)):
+        out_dir = os.path.join(ARTIFACTS_ROOT, g)
+        if os.path.exists(os.path.join(out_dir, "results.json")):
+            _write_summary(out_dir)
+            _write_model_plots(out_dir)
+    _write_gpus_summary()
 
 
 def _autograd_overhead():
@@ -1347,39 +1903,94 @@ def _host_overhead():
     return "CPU time per eager call, [128, 1, 8, 64] bf16: " + ", ".join(report)
 
 
+
+
+def _parse_list(text, known, what):
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def _parse_modes(text):
+    """Requested modes, matched on letters and digits only (so `forward+backward_cuda_graph`
+    names the graphed mode) and split into the perf_report sweeps' and the models sweep's."""
+    norm = lambda m: re.sub(r"[^a-z0-9]", "", m.lower())        # noqa: E731
+    wanted = {norm(m) for m in text.split(",") if m.strip()}
+    known = {norm(m) for m in MODES + MODEL_MODES}
+    if wanted - known:
+        raise SystemExit(f"unknown modes in {text!r} (known: {', '.join(MODES + MODEL_MODES)})")
+    return [m for m in MODES if norm(m) in wanted], [m for m in MODEL_MODES if norm(m) in wanted]
+
+
 def run_benchmarks(argv=None):
     import argparse
     import json
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweeps", default=",".join(SWEEPS), help="comma-separated sweeps")
+    import time
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Results go to artifacts/<gpu>/ (h100, h200, else the device name); a run merges its "
+               "points into that folder's results.json and regenerates its SUMMARY.md and "
+               "artifacts/SUMMARY.md.")
+    parser.add_argument("--sweeps", default=",".join(SWEEPS),
+                        help=f"comma-separated sweeps (default all: {','.join(SWEEPS)})")
     parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES))
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES + MODEL_MODES),
+                        help=f"comma-separated; {', '.join(MODES)} apply to the perf_report sweeps, "
+                             f"{', '.join(MODEL_MODES)} to models (default: all)")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="only regenerate the summaries and models plots from artifacts/*/results.json "
+                             "(no GPU needed)")
     args = parser.parse_args(argv)
+    if args.summary_only:
+        _regenerate()
+        print(open(os.path.join(ARTIFACTS_ROOT, "SUMMARY.md")).read())
+        return
+    sweeps = _parse_list(args.sweeps, SWEEPS, "sweeps")
+    dtypes = _parse_list(args.dtypes, BENCH_DTYPES, "dtypes")
+    modes, model_modes = _parse_modes(args.modes)
     if not ON_GPU:
         raise SystemExit("make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)")
-    os.makedirs(ARTIFACTS, exist_ok=True)
-    print("environment:", _environment(), flush=True)
-    results_path = os.path.join(ARTIFACTS, "results.json")
-    previous = json.load(open(results_path)) if os.path.exists(results_path) else []
+    started = time.perf_counter()
+    gpu = _gpu_slug(torch.cuda.get_device_name())
+    out_dir = os.path.join(ARTIFACTS_ROOT, gpu)
+    os.makedirs(out_dir, exist_ok=True)
+    env = _environment()
+    print("environment:", env, "->", out_dir, flush=True)
+    print("peers:", {k: "ok" for k in _peers()[0]}, _peers()[1], flush=True)
+    stamp = dict(kernel=_kernel_hash(), date=env["date"])
+    results_path = os.path.join(out_dir, "results.json")
+    previous = _load_json(results_path, [])
     results = []
-    for sweep in args.sweeps.split(","):
-        for dtype_name in args.dtypes.split(","):
-            for mode in args.modes.split(","):
+    for sweep in sweeps:
+        if sweep == "models":
+            if model_modes:
+                _run_models(dtypes, model_modes, results, stamp)
+            else:
+                print(f"models skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
+            continue
+        for dtype_name in dtypes:
+            for mode in modes:
                 bench, plot_name = _make_benchmark(sweep, dtype_name, mode, results)
                 print(f"{plot_name}:", flush=True)
-                bench.run(save_path=ARTIFACTS, print_data=False, show_plots=False)
+                bench.run(save_path=out_dir, print_data=False, show_plots=False)
                 moved = [r["bytes"] for r in results if r["sweep"] == sweep and r["dtype"] == dtype_name
                          and r["mode"] == mode and r["provider"] == "copy"]
-                _add_gbps_columns(os.path.join(ARTIFACTS, plot_name + ".csv"), moved)
+                _add_gbps_columns(os.path.join(out_dir, plot_name + ".csv"), moved)
+    for r in results:
+        r.update({k: v for k, v in stamp.items() if k not in r})
     # Points measured now replace the same points of an earlier (partial) run.
-    fresh = {(r["sweep"], str(r["x"]), r["dtype"], r["mode"], r["provider"]) for r in results}
-    merged = [r for r in previous if (r["sweep"], str(r["x"]), r["dtype"], r["mode"], r["provider"]) not in fresh]
-    merged += results
+    fresh = {_row_key(r) for r in results}
+    merged = [r for r in previous if _row_key(r) not in fresh] + results
     with open(results_path, "w") as f:
         json.dump(merged, f, indent=1)
     extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}
-    _write_summary(merged, extras)
-    print(open(os.path.join(ARTIFACTS, "SUMMARY.md")).read())
+    with open(os.path.join(out_dir, "run.json"), "w") as f:
+        json.dump({"environment": env, "extras": extras, "kernel": stamp["kernel"]}, f, indent=1)
+    _regenerate([gpu])
+    print(open(os.path.join(out_dir, "SUMMARY.md")).read())
+    print(f"{_BENCH_CALLS[0]} timings (do_bench calls), {time.perf_counter() - started:.0f} s in all", flush=True)
 
 
 if __name__ == "__main__":
