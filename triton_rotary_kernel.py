@@ -54,10 +54,11 @@ _PIO2_1 = tl.constexpr(1.5707963705062866)
 _PIO2_2 = tl.constexpr(-4.371138828673793e-08)
 _PIO2_3 = tl.constexpr(-1.7151245100058819e-15)
 _TWO_OVER_PI = tl.constexpr(0.6366197466850281)
-# Largest |angle| the float32 reduction takes (|k| <= 2^24); larger angles in a tile send the
-# whole tile to the slow, precise path (libdevice float32 for a table; float64 for angles
-# from positions, which then stay exact).
-_FAST_REDUCTION_LIMIT = tl.constexpr(2.5e7)
+# Angles the float32 reduction takes: |angle| < 2^24, so that |k| < 2^24 and |lo| <= 1/2 (i.e.
+# positions below 2^24 at the fastest frequency, 1 rad per token). Larger angles give NaN
+# (`_sincos_or_nan`), like positions outside a table: a precise fallback behind a per-tile
+# branch cost up to a fifth of the bandwidth at small tiles.
+_FAST_REDUCTION_LIMIT = tl.constexpr(16777216.0)
 
 
 @triton.jit
@@ -65,7 +66,7 @@ def _sincos(hi, lo):
     """sin and cos of hi + lo (|lo| <= ulp(hi) / 2, |hi| < _FAST_REDUCTION_LIMIT), float32.
 
     hi + lo = k * pi/2 + r: k by rounding, r by the exact Cody-Waite steps above plus lo, so
-    |r| <= pi/4 + 0.5 + 2^-22. Taylor polynomials in r to degree 11 (sin) and 12 (cos)
+    |r| <= pi/4 + 1/2 + 2^-22. Taylor polynomials in r to degree 11 (sin) and 12 (cos)
     truncate below 5e-9 on that range; with float32 evaluation the result is within a few
     float32 ulps of the true sin/cos of hi + lo. The quadrant k mod 4 swaps and negates.
     """
@@ -93,6 +94,15 @@ def _sincos(hi, lo):
     sin = tl.where((q & 2) != 0, -sin, sin)
     cos = tl.where(((q + 1) & 2) != 0, -cos, cos)
     return sin, cos
+
+
+@triton.jit
+def _sincos_or_nan(hi, lo):
+    """`_sincos`, NaN where |hi| is past the fast reduction's range."""
+    sin, cos = _sincos(hi, lo)
+    big = tl.abs(hi) >= _FAST_REDUCTION_LIMIT
+    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(big, nan, sin), tl.where(big, nan, cos)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "search_steps",
@@ -280,12 +290,15 @@ def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, 
     local_len = seq_len.to(tl.int64)
     if IS_THD:
         # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
-        # each sequence. Binary search for the last sequence starting at or before the token.
+        # each sequence. Binary search for the last sequence starting at or before the token,
+        # i.e. the last i with cu[i] // cp_size <= tok, written cu[i] < (tok + 1) * cp_size
+        # to keep an integer division out of the loop.
         lo = tok * 0
         hi = lo + num_seqs
+        next_start = (tok.to(tl.int64) + 1) * cp_size
         for _ in range(search_steps):
             mid = (lo + hi + 1) // 2
-            go_right = tl.load(CU_SEQLENS + mid) // cp_size <= tok
+            go_right = tl.load(CU_SEQLENS + mid) < next_start
             lo = tl.where(go_right, mid, lo)
             hi = tl.where(go_right, hi, mid - 1)
         batch_idx = lo
@@ -335,12 +348,9 @@ def _rotation_from_table(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, st
     if compute_dtype == tl.float64:
         sin1, cos1 = tl.sin(f1), tl.cos(f1)
         sin2, cos2 = tl.sin(f2), tl.cos(f2)
-    elif tl.max(tl.maximum(tl.abs(f1), tl.abs(f2))) < _FAST_REDUCTION_LIMIT:
-        sin1, cos1 = _sincos(f1, 0.0)
-        sin2, cos2 = _sincos(f2, 0.0)
     else:
-        sin1, cos1 = tl.sin(f1), tl.cos(f1)
-        sin2, cos2 = tl.sin(f2), tl.cos(f2)
+        sin1, cos1 = _sincos_or_nan(f1, 0.0)
+        sin2, cos2 = _sincos_or_nan(f2, 0.0)
     nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
     cos1 = tl.where(pos_ok[:, None], cos1, nan)[:, None, :]
     cos2 = tl.where(pos_ok[:, None], cos2, nan)[:, None, :]
@@ -376,11 +386,7 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, h
         pf = p.to(tl.float32)
         hi = pf * inv_freq[None, :]
         lo = tl.fma(pf, inv_freq[None, :], -hi)
-        if tl.max(tl.abs(hi)) < _FAST_REDUCTION_LIMIT:
-            sin, cos = _sincos(hi, lo)
-        else:
-            angle = p.to(tl.float64) * inv_freq.to(tl.float64)[None, :]
-            sin, cos = tl.sin(angle).to(tl.float32), tl.cos(angle).to(tl.float32)
+        sin, cos = _sincos_or_nan(hi, lo)
     sin = (sin * angle_scale)[:, None, :]
     cos = (cos * angle_scale)[:, None, :]
     if BACKWARD:
