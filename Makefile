@@ -39,12 +39,12 @@ ifeq ($(filter $(RUNNER),docker local),)
   $(error RUNNER must be docker or local, not '$(RUNNER)')
 endif
 
-PYTEST       = -m pytest -q -rs pytest_benchmark_cuda_triton_comparison.py
+PYTEST       = -m pytest -q -rfEs pytest_benchmark_cuda_triton_comparison.py
 # Odd shapes under compute-sanitizer's memcheck; without PyTorch's caching allocator every
 # tensor is its own allocation, so an out-of-bounds access cannot land in a neighbour.
 SANITIZE     = PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
                --target-processes all
-SANITIZE_CMD = -m pytest -q -rs -p no:cacheprovider pytest_benchmark_cuda_triton_comparison.py -m sanitize
+SANITIZE_CMD = -m pytest -q -rfEs -p no:cacheprovider pytest_benchmark_cuda_triton_comparison.py -m sanitize
 BENCH_CMD    = pytest_benchmark_cuda_triton_comparison.py
 
 NEED_DOCKER = command -v docker >/dev/null 2>&1 || { echo "$@: no docker command here; install Docker, or use the local runner (RUNNER=local)" >&2; exit 1; }; \
