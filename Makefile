@@ -2,7 +2,7 @@
 #
 # Two runners. `docker`: the image built from tritonProject.Dockerfile (NVIDIA's PyTorch
 # container: torch, Triton and Transformer Engine built together). `local`: the current Python
-# if it has torch, triton and pytest, otherwise .venv, made from requirements.txt on first use.
+# if it has what the tests import, otherwise .venv, made from requirements.txt on first use.
 # Without RUNNER, Docker is chosen only when the image exists and a CUDA GPU answers: the image
 # exists to run TE and the kernels on a GPU, and without one both runners would run the same
 # interpreter tests.
@@ -66,7 +66,7 @@ help:
 	@echo "  make run         a shell in that image, this checkout mounted"
 	@echo "Runners (test, test-full, sanitize, bench):"
 	@echo "  docker           in the image, as your user, this checkout mounted"
-	@echo "  local            the current $(PYTHON) if it has torch, triton and pytest, else $(VENV)"
+	@echo "  local            the current $(PYTHON) if it has what the tests import, else $(VENV)"
 	@echo "                   (made from requirements.txt on first use)"
 	@echo "  Without RUNNER: docker when the image exists and nvidia-smi lists a GPU, else local."
 	@echo "  Here now: $(RUNNER) ($(RUNNER_WHY))"
@@ -83,12 +83,14 @@ run:
 	@$(NEED_IMAGE)
 	$(DOCKER_RUN) -it $(IMAGE) bash
 
-# Prints the interpreter to use locally, making .venv only when the current one lacks packages.
+# Prints the interpreter to use locally, making or completing .venv only when the current one
+# lacks what the tests import.
+TEST_IMPORTS = torch, triton, pytest, hypothesis, transformers
 local-python:
-	@if $(PYTHON) -c "import torch, triton, pytest" >/dev/null 2>&1; then \
+	@if $(PYTHON) -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
 	  echo $(PYTHON); \
 	else \
-	  if ! $(VENV)/bin/python -c "import torch, triton, pytest" >/dev/null 2>&1; then \
+	  if ! $(VENV)/bin/python -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
 	    echo "making $(VENV) from requirements.txt (first run only): about 2.5 GB installed with a CPU torch build;" \
 	         "PyPI's Linux torch is the CUDA build, about 3 GB to download" >&2; \
 	    $(PYTHON) -m venv $(VENV) >&2 && \
