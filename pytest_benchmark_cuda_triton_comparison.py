@@ -4,31 +4,29 @@
     python pytest_benchmark_cuda_triton_comparison.py     # the benchmarks (make bench)
 
 The tests run on a CUDA GPU at Transformer Engine's own test shapes, or without a GPU through
-Triton's interpreter (TRITON_INTERPRET=1, set here automatically) at the scaled-down shapes of
+Triton's interpreter (TRITON_INTERPRET=1, chosen in conftest.py) at the scaled-down shapes of
 `SIZES["interpreter"]`. Wherever TE's fused RoPE can be loaded (see te_comparator.py) the
 results are also compared with it; elsewhere those cases are skipped with the reason.
 """
 
+import collections
 import functools
+import itertools
 import math
 import os
 import re
 
+import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:  # must be decided before triton is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from te_comparator import load_te_qkv_rope, load_te_rope  # noqa: E402
-import triton_rotary_kernel  # noqa: E402
-from triton_rotary_kernel import set_rotary_kernel  # noqa: E402
-from triton_rotary_main import (  # noqa: E402
+from te_comparator import load_te_qkv_rope, load_te_rope
+import triton_rotary_kernel
+from triton_rotary_kernel import set_rotary_kernel
+from triton_rotary_main import (
     RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb,
     apply_rotary_pos_emb_inplace)
 
+ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,6 +40,14 @@ SIZES = {
                         thd_cu_seqlens=(0, 5, 12, 13, 13, 30, 36),
                         qkv_seq_lengths=(2, 8, 24), qkv_hidden_sizes=(64, 128, 256), kv_heads=2),
 }[("gpu" if ON_GPU else "interpreter")]
+
+# Which cases of TE's three test matrices run: "full", every combination TE's tests allow;
+# "quick", every combination of the axes that select kernel code, with the other axes' values
+# chosen so that each pair of values of any two axes still occurs (`_te_matrix`). Quick is the
+# default without a GPU, where every program runs in Python; `make test-full` sets full.
+TEST_MATRIX = os.environ.get("ROPE_TEST_MATRIX") or ("full" if ON_GPU else "quick")
+if TEST_MATRIX not in ("full", "quick"):
+    raise ValueError(f"ROPE_TEST_MATRIX must be 'full' or 'quick', not {TEST_MATRIX!r}")
 
 
 def _te(loader=load_te_rope, what="fused RoPE"):
@@ -112,41 +118,90 @@ def _compare_qkv(qkv, q_freqs, k_freqs, split, loss_func=_distinct_weights_grad,
         torch.testing.assert_close(grad, ref_grad)
 
 
-def _skip_unsupported_start_positions(start_positions, margin, cp_size):
-    """TE's rope tests run start_positions only with a margin for them and without CP."""
-    if start_positions and (margin == 0 or cp_size > 1):
-        pytest.skip("start_positions needs a margin and cp_size == 1 (as in TE's test)")
+def _te_allows_start_positions(start_positions, cp_size, margin=None, **_):
+    """TE's rope tests run start_positions only without CP, and (where the test has a margin)
+    only with a margin for them."""
+    return not start_positions or (cp_size == 1 and margin != 0)
 
 
 def _random_start_positions(batch, margin):
     return torch.randint(0, margin, (batch,), dtype=torch.int32, device=DEVICE)
 
 
-def _te_matrix_axes(test):
-    """The axes TE's three RoPE test matrices share; `reference` adds the comparison with TE's
-    own kernel to the one with the unfused float32 formula."""
-    for name, values in (("loss_func", [_overlapping_grad, _non_overlapping_grad]),
-                         ("interleaved", [False, True]), ("cp_size", [1, 2]),
-                         ("start_positions", [False, True]), ("reference", ["unfused", "te"])):
-        test = pytest.mark.parametrize(name, values)(test)
-    return test
+def _pairwise_cover(cases, primary):
+    """A subset of `cases` (tuples of value indices, one per axis) that keeps one case for each
+    combination of the `primary` axes and contains every pair (axis i = value a, axis j = value
+    b) that some case contains. Greedy: each pick is the candidate adding the most new pairs."""
+    n = len(cases[0])
+    index_pairs = list(itertools.combinations(range(n), 2))
+    case_pairs = [frozenset((i, j, case[i], case[j]) for i, j in index_pairs) for case in cases]
+    uncovered = set().union(*case_pairs)
+    groups = {}
+    for k, case in enumerate(cases):
+        groups.setdefault(tuple(case[p] for p in primary), []).append(k)
+    chosen, uses = set(), collections.Counter()
+
+    def pick(candidates):
+        # Ties (often: no new pair left) go to the values used least so far, so that every value
+        # of an axis runs about equally often.
+        best = max(candidates, key=lambda k: (len(case_pairs[k] & uncovered),
+                                              -sum(uses[i, v] for i, v in enumerate(cases[k]))))
+        chosen.add(best)
+        uncovered.difference_update(case_pairs[best])
+        uses.update(enumerate(cases[best]))
+
+    for group in groups.values():
+        pick(group)
+    while uncovered:  # pairs that no primary combination's pick brought in
+        pick(range(len(cases)))
+    return [cases[k] for k in sorted(chosen)]
+
+
+def _value_id(value):
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if callable(value):
+        return value.__name__.strip("_")
+    return "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def _te_matrix(primary, allowed, **axes):
+    """Parametrize a test over one of TE's RoPE test matrices: `axes` (name -> values) and the
+    axes TE's three tests share; each case runs against the unfused float32 formula and, with
+    `reference="te"`, against TE's own kernel. Only cases `allowed(**case)` accepts are
+    generated. TEST_MATRIX "full" takes them all, "quick" a `_pairwise_cover` of them that keeps
+    every combination of the `primary` axes."""
+    axes = dict(axes, loss_func=[_overlapping_grad, _non_overlapping_grad], interleaved=[False, True],
+                cp_size=[1, 2], start_positions=[False, True])
+    names = list(axes)
+    cases = [idx for idx in itertools.product(*(range(len(values)) for values in axes.values()))
+             if allowed(**{name: axes[name][i] for name, i in zip(names, idx)})]
+    if TEST_MATRIX == "quick":
+        cases = _pairwise_cover(cases, [names.index(name) for name in primary])
+    # Every case against both references, so that the cases run where TE cannot be loaded
+    # (and its comparisons are skipped) still cover every pair.
+    params, ids = [], []
+    for idx in cases:
+        values = [axes[name][i] for name, i in zip(names, idx)]
+        case_id = "-".join(f"{name}={_value_id(value)}" for name, value in zip(names, values))
+        for reference in ("unfused", "te"):
+            params.append(values + [reference])
+            ids.append(f"{case_id}-{reference}")
+    return pytest.mark.parametrize(names + ["reference"], params, ids=ids)
 
 
 # ---------------------------------------------------------------------------------------------
 # TE's test matrix (tests/pytorch/test_fused_rope.py)
 # ---------------------------------------------------------------------------------------------
 
-@_te_matrix_axes
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
-@pytest.mark.parametrize("transpose", [None, (0, 1), (2, 3)])
-@pytest.mark.parametrize("margin", [0, SIZES["margin"]])
-@pytest.mark.parametrize("rotary_percent", [0.5, 1.0])
-@pytest.mark.parametrize("hidden_size", SIZES["hidden_sizes"])
-@pytest.mark.parametrize("seq_length", SIZES["seq_lengths"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@_te_matrix(primary=("dtype", "tensor_format", "rotary_percent", "interleaved", "cp_size",
+                     "start_positions"),
+            allowed=_te_allows_start_positions,
+            dtype=DTYPES, seq_length=SIZES["seq_lengths"], hidden_size=SIZES["hidden_sizes"],
+            rotary_percent=[0.5, 1.0], margin=[0, SIZES["margin"]], transpose=[None, (0, 1), (2, 3)],
+            tensor_format=["sbhd", "bshd"])
 def test_fused_rope(dtype, seq_length, hidden_size, rotary_percent, margin, transpose,
                     tensor_format, loss_func, interleaved, cp_size, start_positions, reference):
-    _skip_unsupported_start_positions(start_positions, margin, cp_size)
     torch.manual_seed(seq_length + hidden_size + margin)
     batch, heads = SIZES["batch"], SIZES["heads"]
     t = torch.rand((seq_length - margin, batch, heads, hidden_size), dtype=dtype, device=DEVICE)
@@ -171,15 +226,12 @@ def _padded_cu_seqlens(cu_seqlens, cp_size):
     return padded
 
 
-@_te_matrix_axes
-@pytest.mark.parametrize("transpose", [None, (1, 2)])
-@pytest.mark.parametrize("rotary_percent", [0.5, 1.0])
-@pytest.mark.parametrize("hidden_size", SIZES["hidden_sizes"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@_te_matrix(primary=("dtype", "rotary_percent", "interleaved", "cp_size", "start_positions"),
+            allowed=_te_allows_start_positions,
+            dtype=DTYPES, hidden_size=SIZES["hidden_sizes"], rotary_percent=[0.5, 1.0],
+            transpose=[None, (1, 2)])
 def test_fused_rope_thd(dtype, hidden_size, rotary_percent, transpose, loss_func, interleaved,
                         cp_size, start_positions, reference):
-    if start_positions and cp_size > 1:
-        pytest.skip("start_positions is not supported with cp_size > 1 (as in TE)")
     torch.manual_seed(hidden_size)
     cu = SIZES["thd_cu_seqlens"]
     cu = cu if cp_size == 1 else _padded_cu_seqlens(cu, cp_size)
@@ -196,19 +248,21 @@ def test_fused_rope_thd(dtype, hidden_size, rotary_percent, transpose, loss_func
                  cp_size=cp_size, cp_rank=cp_rank)
 
 
-@_te_matrix_axes
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
-@pytest.mark.parametrize("margin", [0, SIZES["margin"]])
-@pytest.mark.parametrize("rotary_percent", [0.5, 1.0])
-@pytest.mark.parametrize("hidden_size", SIZES["qkv_hidden_sizes"])
-@pytest.mark.parametrize("seq_length", SIZES["qkv_seq_lengths"])
-@pytest.mark.parametrize("dtype", DTYPES)
+def _qkv_case_allowed(seq_length, margin, cp_size, **case):
+    """TE's start_positions rule, and a local sequence left after the margin (even under CP)."""
+    local = seq_length - margin
+    return (_te_allows_start_positions(margin=margin, cp_size=cp_size, **case)
+            and local >= 2 and not (local % 2 and cp_size > 1))
+
+
+@_te_matrix(primary=("dtype", "tensor_format", "rotary_percent", "interleaved", "cp_size",
+                     "start_positions"),
+            allowed=_qkv_case_allowed,
+            dtype=DTYPES, seq_length=SIZES["qkv_seq_lengths"], hidden_size=SIZES["qkv_hidden_sizes"],
+            rotary_percent=[0.5, 1.0], margin=[0, SIZES["margin"]], tensor_format=["sbhd", "bshd"])
 def test_fused_qkv_rope(dtype, seq_length, hidden_size, rotary_percent, margin, tensor_format,
                         loss_func, interleaved, cp_size, start_positions, reference):
     """TE's test_fused_qkv_rope: packed [s, b, h_kv, 4d + d + d], q/k/v out, packed grad."""
-    _skip_unsupported_start_positions(start_positions, margin, cp_size)
-    if seq_length - margin < 2 or (seq_length - margin) % 2 and cp_size > 1:
-        pytest.skip("no (even) local sequence left after the margin")
     torch.manual_seed(seq_length + hidden_size)
     batch, kv_heads = SIZES["batch"], SIZES["kv_heads"]
     split = [4 * hidden_size, hidden_size, hidden_size]
@@ -966,6 +1020,7 @@ SANITIZE_CASES = [
 ]
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("case", SANITIZE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_sanitize_cases(case):
     torch.manual_seed(14)
@@ -1059,6 +1114,7 @@ def test_context_parallel_across_processes(world_size, tensor_format, tmp_path):
     assert results.get() == "ok"
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("split,kv_heads,rotary_percent", [([3 * 80, 80, 48], 3, 0.5), ([2 * 72, 72, 72], 5, 1.0)])
 def test_sanitize_qkv(split, kv_heads, rotary_percent):
     torch.manual_seed(13)
