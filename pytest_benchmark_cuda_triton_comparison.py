@@ -1123,6 +1123,627 @@ def test_sanitize_qkv(split, kv_heads, rotary_percent):
     _compare_qkv(qkv, freqs, freqs * 2, split)
 
 
+# --- Angles from positions: exactness, positions, M-RoPE ---
+# Issue 13: with a RotaryPositionEmbedding as freqs the kernel computes each angle as the exact
+# product position * inv_freq (no float32 table); issue 14: M-RoPE, each rotated pair taking its
+# position from its own axis. The references here are written from the definition in float64,
+# never through fused=False (which shares the launcher's position logic).
+
+EXACT_REL_TOL = 2e-6
+# The exact path takes angles below 2^24; at inv_freq = 1 (the first pair, any base) that is
+# every position below 2^24.
+MAX_EXACT_POSITION = 2**24 - 1
+# YaRN with factor 4: attention_scaling = 0.1 * ln(4) + 1 = 1.139 multiplies cos and sin, so a
+# scale forgotten (or applied twice) in either direction fails the comparison.
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+
+
+def _rel_error(out, ref):
+    """||out - ref|| / ||ref|| (Frobenius, ref in float64): the error measure of this section."""
+    return ((out.detach().double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def _worst_token_rel_error(out, ref, lead):
+    """The largest per-token ||out - ref|| / ||ref||: one wrong token among many cannot hide
+    in the overall norm. `lead` is the number of token dims (2 for sbhd/bshd, 1 for thd)."""
+    diff = (out.detach().double().cpu() - ref).flatten(lead).norm(dim=-1)
+    return (diff / ref.flatten(lead).norm(dim=-1)).max().item()
+
+
+def _pair_positions(pos, n_pairs, pair_axis=None):
+    """Each pair's position, [..., n_pairs]: pos [...] (one per token), or, for M-RoPE,
+    pos [n_axes, ...] read on axis pair_axis[k] for pair k."""
+    if pair_axis is None:
+        return pos[..., None].expand(*pos.shape, n_pairs)
+    return pos.movedim(0, -1)[..., pair_axis]
+
+
+def _rotate64(x, pair_pos, inv_freq, interleaved, scale=1.0, transpose=False):
+    """RoPE from its definition, in float64: pair k of x [..., h, d] (channels k and k + d2/2,
+    or 2k and 2k + 1 interleaved) as a complex number times scale * e^{i theta}, theta =
+    pair_pos[..., k] * inv_freq[k] (pair_pos has no head dim: shared by the heads). With
+    transpose, e^{-i theta}: the transposed rotation, i.e. the gradient of the forward.
+    Channels past d2 are copied."""
+    n = inv_freq.numel()
+    x = x.detach().double().cpu()
+    theta = pair_pos.double().cpu()[..., None, :] * inv_freq.double().cpu()     # [..., 1, n]
+    rot = scale * torch.polar(torch.ones_like(theta), -theta if transpose else theta)
+    if interleaved:
+        z = torch.complex(x[..., 0:2 * n:2], x[..., 1:2 * n:2]) * rot
+        rotated = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+    else:
+        z = torch.complex(x[..., :n], x[..., n:2 * n]) * rot
+        rotated = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rotated, x[..., 2 * n:]), dim=-1)
+
+
+def _mrope_axis_rule(section, interleaved):
+    """Position axis of each pair, written from the papers' description (independently of the
+    module's pair_axis): Qwen2-VL gives consecutive blocks of section[i] pairs to axis i;
+    Qwen3-VL gives axis a in (1, 2) every third pair from a among the first 3 * section[a]."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+    k = torch.arange(sum(section))
+    a = k % 3
+    return torch.where((a > 0) & (k < 3 * torch.tensor(section)[a]), a, 0)
+
+
+def _random_exact_positions(gen, *shape):
+    """Random positions in [0, 2^24), in no order, with the extremes 0, 1 and 2^24 - 1 among them."""
+    flat = torch.randint(0, MAX_EXACT_POSITION + 1, shape, generator=gen).view(-1)
+    flat[:3] = torch.tensor([MAX_EXACT_POSITION, 0, 1])
+    return flat[torch.randperm(flat.numel(), generator=gen)].view(shape)
+
+
+def _cat_ranges(lengths, starts):
+    return torch.cat([torch.arange(n) + st for n, st in zip(lengths, starts)])
+
+
+def _exact_case(name, head_dim, gen):
+    """(t's shape, the call's keyword arguments, every token's position shaped as t's token
+    dims). The positions are worked out here from TE's definitions, not read from the code."""
+    s, b, h, d = 6, 2, 2, head_dim
+    ints = functools.partial(torch.tensor, dtype=torch.int32, device=DEVICE)
+    if name == "sbhd_positions_s":
+        pos = _random_exact_positions(gen, s)
+        return (s, b, h, d), dict(positions=pos.to(DEVICE)), pos[:, None].expand(s, b)
+    if name == "sbhd_positions_bs":
+        pos = _random_exact_positions(gen, b, s)
+        return (s, b, h, d), dict(positions=pos.to(DEVICE)), pos.T
+    if name == "bshd_positions_bs":
+        pos = _random_exact_positions(gen, b, s)
+        return (b, s, h, d), dict(tensor_format="bshd", positions=pos.to(DEVICE)), pos
+    if name == "bshd_positions_s_int32":
+        pos = _random_exact_positions(gen, s)
+        return (b, s, h, d), dict(tensor_format="bshd", positions=ints(pos.tolist())), pos[None].expand(b, s)
+    if name == "thd_positions":
+        pos = _random_exact_positions(gen, 9)
+        return (9, h, d), dict(tensor_format="thd", positions=pos.to(DEVICE)), pos
+    if name == "sbhd_start":            # implicit: token i of sequence j at i + start[j]
+        start = [MAX_EXACT_POSITION - s + 1, 2**23 + 12345]
+        return ((s, b, h, d), dict(start_positions=ints(start)),
+                torch.arange(s)[:, None] + torch.tensor(start)[None, :])
+    if name == "bshd_start":
+        start = [2**20 + 3, MAX_EXACT_POSITION - s + 1]
+        return ((b, s, h, d), dict(tensor_format="bshd", start_positions=ints(start)),
+                torch.tensor(start)[:, None] + torch.arange(s)[None, :])
+    if name == "thd_cu_start":          # an empty sequence among them
+        cu, start = [0, 3, 3, 8, 10], [MAX_EXACT_POSITION - 2, 5, 2**22 + 1, MAX_EXACT_POSITION - 1]
+        lengths = [e - a for a, e in zip(cu[:-1], cu[1:])]
+        return ((10, h, d), dict(tensor_format="thd", cu_seqlens=ints(cu), start_positions=ints(start)),
+                _cat_ranges(lengths, start))
+    # Context parallelism excludes start_positions and positions, so a rank's positions stay
+    # below s * cp_size: this checks the load-balanced split on the exact path, not large angles.
+    if name == "sbhd_cp":
+        pos = torch.tensor(_independent_positions(8, 4, 2))
+        return (8, b, h, d), dict(cp_size=4, cp_rank=2), pos[:, None].expand(8, b)
+    if name == "thd_cp":
+        cu, cp_size, cp_rank = [0, 8, 20, 24], 2, 1
+        local = [(e - a) // cp_size for a, e in zip(cu[:-1], cu[1:])]
+        pos = torch.cat([torch.tensor(_independent_positions(n, cp_size, cp_rank)) for n in local])
+        return ((sum(local), h, d), dict(tensor_format="thd", cu_seqlens=ints(cu), cp_size=cp_size,
+                                         cp_rank=cp_rank), pos)
+    raise AssertionError(name)
+
+
+# (case, head dim, rope type): rotary dim 32 throughout, so head dim 40 / 48 leaves channels to
+# copy through; yarn cases carry an attention_scaling != 1.
+_EXACT_CASES = [
+    ("sbhd_positions_s", 40, "default"), ("sbhd_positions_bs", 32, "yarn"),
+    ("bshd_positions_bs", 40, "yarn"), ("bshd_positions_s_int32", 32, "default"),
+    ("thd_positions", 48, "yarn"), ("sbhd_start", 32, "default"), ("bshd_start", 40, "yarn"),
+    ("thd_cu_start", 40, "default"), ("sbhd_cp", 40, "yarn"), ("thd_cp", 32, "default"),
+]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("case,head_dim,rope", _EXACT_CASES, ids=[c[0] for c in _EXACT_CASES])
+def test_angles_from_positions_exact(case, head_dim, rope, interleaved):
+    """Issue 13: float32 input, positions up to 2^24 - 1, forward and backward within 2e-6
+    (relative) of the float64 rotation by position * inv_freq."""
+    gen = torch.Generator().manual_seed(sum(map(ord, case)) + interleaved)
+    shape, kwargs, pos = _exact_case(case, head_dim, gen)
+    emb = RotaryPositionEmbedding(32, interleaved=interleaved, device=DEVICE,
+                                  rope_scaling=_YARN if rope == "yarn" else None)
+    assert (emb.attention_scaling > 1.1) == (rope == "yarn")
+    t = torch.randn(shape, generator=gen).to(DEVICE).requires_grad_(True)
+    grad = torch.randn(shape, generator=gen).to(DEVICE)
+    out = apply_rotary_pos_emb(t, emb, interleaved=interleaved, **kwargs)
+    (dx,) = torch.autograd.grad(out, t, grad)
+
+    pair_pos = _pair_positions(pos, 16)
+    ref = _rotate64(t, pair_pos, emb.inv_freq, interleaved, emb.attention_scaling)
+    ref_dx = _rotate64(grad, pair_pos, emb.inv_freq, interleaved, emb.attention_scaling, transpose=True)
+    lead = len(shape) - 2
+    for got, expected in ((out, ref), (dx, ref_dx)):
+        assert _rel_error(got, expected) < EXACT_REL_TOL
+        assert _worst_token_rel_error(got, expected, lead) < EXACT_REL_TOL
+    assert torch.equal(out[..., 32:], t[..., 32:]) and torch.equal(dx[..., 32:], grad[..., 32:])
+
+
+def test_table_angles_lose_accuracy_where_exact_angles_do_not():
+    """What the exact path is for: TE's table holds float32(position * inv_freq), whose rounding
+    at position ~2^20 is up to 2^-5 rad, so the table path is off by > 1e-4 where the exact
+    path, on the same input and positions, stays within 2e-6."""
+    torch.manual_seed(40)
+    s, b, p0 = 8, 2, 2**20 - 3
+    emb = RotaryPositionEmbedding(32, device=DEVICE)
+    table = emb(p0 + s)                          # TE's whole table, 2^20 rows (128 MiB)
+    # Row p of TE's table equals a one-row table at offset p (float32(p) is exact below 2^24):
+    # this is how the accuracy study below reaches 2^24 without a 2 GiB table.
+    assert torch.equal(emb(s, offset=p0), table[p0:])
+    t = torch.randn(s, b, 2, 40, device=DEVICE)
+    pos = torch.arange(p0, p0 + s)
+    ref = _rotate64(t, _pair_positions(pos[:, None].expand(s, b), 16), emb.inv_freq, False)
+    for kwargs in (dict(start_positions=torch.full((b,), p0, dtype=torch.int32, device=DEVICE)),
+                   dict(positions=pos.to(DEVICE))):
+        table_error = _rel_error(apply_rotary_pos_emb(t, table, **kwargs), ref)
+        exact_error = _rel_error(apply_rotary_pos_emb(t, emb, **kwargs), ref)
+        assert table_error > 1e-4 and exact_error < EXACT_REL_TOL
+        assert table_error > 100 * exact_error
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: positions >= 2^24 are rounded to float32 before the "
+                   "two-product, and only |angle| >= 2^24 becomes NaN, so with inv_freq[0] < 1 (linear "
+                   "scaling) such positions are silently wrong")
+def test_positions_past_float32_integers_are_exact_or_nan():
+    """Past 2^24 a position no longer converts to float32 exactly. With linear scaling (factor 4,
+    so inv_freq[0] = 1/4) positions up to 2^26 still give angles below 2^24, where the kernel
+    does not return NaN: each token must then be either exact (as fused=False is) or NaN, never
+    silently off."""
+    emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert emb.inv_freq[0].item() == 0.25
+    pos = torch.tensor([2**24 - 1, 2**24 + 1, 2**25 + 3])
+    assert (pos * 0.25 < 2**24).all()            # every angle inside the range the kernel takes
+    t = torch.randn(3, 1, 2, 32, generator=torch.Generator().manual_seed(51)).to(DEVICE)
+    out = apply_rotary_pos_emb(t, emb, positions=pos.to(DEVICE))
+    ref = _rotate64(t, _pair_positions(pos[:, None], 16), emb.inv_freq, False)
+    for i in range(3):
+        token = out[i:i + 1]
+        assert token.isnan().any() or _rel_error(token, ref[i:i + 1]) < EXACT_REL_TOL, i
+
+
+def _fwd_bwd(t, freqs, grad, **kwargs):
+    x = t.detach().clone().requires_grad_(True)
+    out = apply_rotary_pos_emb(x, freqs, **kwargs)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    return out.detach(), dx
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("kind", ["table", "module"])
+def test_explicit_positions_match_implicit_positions(kind, tensor_format):
+    """`positions` is only another way to give the positions: equal to the implicit ones
+    (start_positions, thd cu_seqlens) bit for bit, equal to fused=False, and [s] the same as
+    [b, s] with identical rows (broadcast or copied)."""
+    torch.manual_seed(41)
+    emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=_YARN if kind == "module" else None)
+    freqs = emb(64) if kind == "table" else emb
+    ints = functools.partial(torch.tensor, dtype=torch.int32, device=DEVICE)
+    s, b, h, d = 6, 2, 3, 40
+    if tensor_format == "thd":
+        cu, start = [0, 4, 4, 10], [7, 0, 31]
+        shape = (10, h, d)
+        implicit = dict(cu_seqlens=ints(cu), start_positions=ints(start))
+        positions = _cat_ranges([4, 0, 6], start).to(DEVICE)
+    else:
+        start = [5, 0]
+        shape = (s, b, h, d) if tensor_format == "sbhd" else (b, s, h, d)
+        implicit = dict(start_positions=ints(start))
+        positions = (torch.tensor(start)[:, None] + torch.arange(s)).to(DEVICE)    # [b, s]
+    t, grad = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
+    by_start = _fwd_bwd(t, freqs, grad, tensor_format=tensor_format, **implicit)
+    by_positions = _fwd_bwd(t, freqs, grad, tensor_format=tensor_format, positions=positions)
+    unfused = _fwd_bwd(t, freqs, grad, tensor_format=tensor_format, positions=positions, fused=False)
+    for a, e, u in zip(by_positions, by_start, unfused):
+        assert torch.equal(a, e)
+        torch.testing.assert_close(a, u)
+    if tensor_format == "thd":
+        return
+    # [s] shared by the batch == [b, s] with equal rows == no positions at all (index in sequence)
+    shared = torch.arange(s, device=DEVICE)
+    runs = [_fwd_bwd(t, freqs, grad, tensor_format=tensor_format, positions=p)
+            for p in (shared, shared.int(), shared.expand(b, s), shared.expand(b, s).contiguous())]
+    runs.append(_fwd_bwd(t, freqs, grad, tensor_format=tensor_format))
+    for run in runs[1:]:
+        assert torch.equal(run[0], runs[0][0]) and torch.equal(run[1], runs[0][1])
+
+
+def test_fused_qkv_and_inplace_take_module_and_positions():
+    """The fused QKV (one launch each way) and the in-place entry point with modules and
+    per-token positions equal the plain path on the same views, forward and backward."""
+    torch.manual_seed(42)
+    q_emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=_YARN)
+    k_emb = RotaryPositionEmbedding(32, rotary_base=500.0, device=DEVICE)   # q and k may differ
+    s, b, kv_heads, d, dv = 5, 2, 2, 40, 24
+    split = [2 * d, d, dv]
+    qkv = torch.randn(s, b, kv_heads, sum(split), device=DEVICE)
+    pos = _random_exact_positions(torch.Generator().manual_seed(42), b, s).to(DEVICE)
+    grads = [torch.randn(s, b, n, d, device=DEVICE) for n in (2 * kv_heads, kv_heads)]
+    grads.append(torch.randn(s, b, kv_heads, dv, device=DEVICE))
+
+    x = qkv.clone().requires_grad_(True)
+    fused = apply_fused_qkv_rotary_pos_emb(x, q_emb, k_emb, split, positions=pos)
+    (dx,) = torch.autograd.grad(fused, x, grads)
+    y = qkv.clone().requires_grad_(True)
+    yq, yk, yv = torch.split(y, split, dim=-1)
+    plain = (apply_rotary_pos_emb(yq.reshape(s, b, 2 * kv_heads, d), q_emb, positions=pos),
+             apply_rotary_pos_emb(yk, k_emb, positions=pos), yv)
+    (dy,) = torch.autograd.grad(plain, y, grads)
+    for got, expected in zip(fused, plain):
+        torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(dx, dy)
+    assert not torch.allclose(fused[0], yq.reshape(s, b, 2 * kv_heads, d))   # q was rotated
+
+    with torch.inference_mode():
+        packed = qkv.clone()
+        k_view = packed[..., 2 * d:3 * d]                        # strided: k inside qkv
+        assert apply_rotary_pos_emb_inplace(k_view, k_emb, positions=pos) is k_view
+        torch.testing.assert_close(k_view, plain[1])
+        assert torch.equal(packed[..., :2 * d], qkv[..., :2 * d])
+        assert torch.equal(packed[..., 3 * d:], qkv[..., 3 * d:])
+        t = torch.randn(7, 3, d, device=DEVICE)
+        thd_pos = _random_exact_positions(torch.Generator().manual_seed(43), 7).to(DEVICE)
+        expected = apply_rotary_pos_emb(t, q_emb, "thd", positions=thd_pos)
+        apply_rotary_pos_emb_inplace(t, q_emb, "thd", positions=thd_pos)
+        torch.testing.assert_close(t, expected)
+
+
+def _mrope_module(interleaved, dim=32, section=None):
+    if section is None:
+        section = [8, 4, 4] if interleaved else [4, 6, 6]
+    return RotaryPositionEmbedding(dim, device=DEVICE, mrope_section=section,
+                                   mrope_interleaved=interleaved)
+
+
+def _positions_error_args(**extra):
+    args = dict(t=torch.randn(4, 2, 3, 16, device=DEVICE), freqs=RotaryPositionEmbedding(16, device=DEVICE),
+                positions=torch.arange(4, device=DEVICE))
+    args.update(extra)
+    return args
+
+
+def _long(*shape):
+    return torch.zeros(shape, dtype=torch.long, device=DEVICE)
+
+
+def _thd_positions_error_args(**extra):
+    return _positions_error_args(**{"t": torch.randn(6, 3, 16, device=DEVICE), "tensor_format": "thd",
+                                    "positions": torch.arange(6, device=DEVICE), **extra})
+
+
+# (name, arguments, error type, text the message must contain)
+_BAD_POSITIONS = [
+    ("float", lambda: _positions_error_args(positions=torch.arange(4.0, device=DEVICE)), TypeError,
+     "positions must be int32 or int64"),
+    ("list", lambda: _positions_error_args(positions=[0, 1, 2, 3]), TypeError,
+     "positions must be a torch.Tensor"),
+    ("too short", lambda: _positions_error_args(positions=torch.arange(3, device=DEVICE)), ValueError,
+     "positions must have shape [s] or [b, s]"),
+    ("[s, b] instead of [b, s]", lambda: _positions_error_args(positions=_long(4, 2)),
+     ValueError, "positions must have shape [s] or [b, s]"),
+    ("axis dim for a one-axis module", lambda: _positions_error_args(positions=_long(1, 2, 4)),
+     ValueError, "positions must have shape [s] or [b, s]"),
+    ("on another device", lambda: _positions_error_args(positions=torch.arange(4, device="meta")), TypeError,
+     "positions is on meta"),
+    ("with start_positions", lambda: _positions_error_args(start_positions=_long(2).int()),
+     ValueError, "positions and start_positions cannot be combined"),
+    ("with cp_size > 1", lambda: _positions_error_args(cp_size=2, cp_rank=1), ValueError,
+     "positions cannot be combined with cp_size > 1"),
+    ("thd with cu_seqlens", lambda: _thd_positions_error_args(cu_seqlens=_ints([0, 6])), ValueError,
+     "give cu_seqlens or positions"),
+    ("thd [1, t]", lambda: _thd_positions_error_args(positions=_long(1, 6)), ValueError,
+     "positions must have shape [t]"),
+    ("module interleaved, call not", lambda: _positions_error_args(
+        freqs=RotaryPositionEmbedding(16, interleaved=True, device=DEVICE)), ValueError,
+     "interleaved=False but freqs was built with interleaved=True"),
+    ("call interleaved, module not", lambda: _positions_error_args(interleaved=True), ValueError,
+     "interleaved=True but freqs was built with interleaved=False"),
+    # M-RoPE (issue 14): the axis dim must be there, with the module's number of axes
+    ("M-RoPE module, one-axis positions", lambda: _positions_error_args(freqs=_mrope_module(False, 16, [2, 3, 3])),
+     ValueError, "positions must have shape [3, s] or [3, b, s]"),
+    ("M-RoPE module, two axes", lambda: _positions_error_args(
+        freqs=_mrope_module(False, 16, [2, 3, 3]), positions=_long(2, 2, 4)), ValueError,
+     "positions must have shape [3, s] or [3, b, s]"),
+    ("M-RoPE module, thd [t]", lambda: _thd_positions_error_args(freqs=_mrope_module(True, 16, [4, 2, 2])),
+     ValueError, "positions must have shape [3, t]"),
+    ("M-RoPE positions for a table", lambda: _positions_error_args(
+        freqs=RotaryPositionEmbedding(16, device=DEVICE)(8), positions=_long(3, 2, 4)),
+     ValueError, "positions must have shape [s] or [b, s]"),
+]
+
+
+@pytest.mark.parametrize("entry", ["fused", "unfused", "inplace"])
+@pytest.mark.parametrize("name,make_args,error,message", _BAD_POSITIONS, ids=[b[0] for b in _BAD_POSITIONS])
+def test_bad_positions_raise_named_error(name, make_args, error, message, entry):
+    args = make_args()
+    with pytest.raises(error, match=re.escape(message)):
+        if entry == "inplace":
+            with torch.no_grad():
+                apply_rotary_pos_emb_inplace(**args)
+        else:
+            apply_rotary_pos_emb(fused=entry == "fused", **args)
+
+
+def test_fused_qkv_bad_positions_raise_named_error():
+    emb = RotaryPositionEmbedding(16, device=DEVICE)
+    qkv = torch.randn(4, 2, 2, 48, device=DEVICE)
+    cases = [(dict(positions=torch.arange(4.0)), TypeError, "positions must be int32 or int64"),
+             (dict(positions=torch.arange(5)), ValueError, "positions must have shape [s] or [b, s]"),
+             (dict(positions=torch.zeros(3, 2, 4, dtype=torch.long)), ValueError, "positions must have shape"),
+             (dict(positions=torch.arange(4), start_positions=_long(2).int()), ValueError,
+              "positions and start_positions cannot be combined"),
+             (dict(positions=torch.arange(4), interleaved=True), ValueError,
+              "interleaved=True but q_freqs was built with interleaved=False")]
+    for fused in (True, False):
+        for kwargs, error, message in cases:
+            kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            with pytest.raises(error, match=re.escape(message)):
+                apply_fused_qkv_rotary_pos_emb(qkv, emb, emb, [16, 16, 16], fused=fused, **kwargs)
+    # one autograd function serves both, so q and k must agree on the number of axes
+    with pytest.raises(TypeError, match="q_freqs and k_freqs must be of one kind"):
+        apply_fused_qkv_rotary_pos_emb(qkv, _mrope_module(False, 16, [2, 3, 3]), emb, [16, 16, 16])
+
+
+def test_torch_compile_fullgraph_module_and_positions():
+    """A compiled step with a module and positions (a one-axis yarn module and an M-RoPE one):
+    no graph break, the same values forward and backward as eager."""
+    torch.manual_seed(44)
+    emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=_YARN)
+    mrope = _mrope_module(True)
+    b, s = 2, 6
+
+    def step(x, pos, axis_pos):
+        return (apply_rotary_pos_emb(x, emb, "bshd", positions=pos) * 2
+                + apply_rotary_pos_emb(x, mrope, "bshd", positions=axis_pos)).sum(dim=-1)
+
+    compiled = torch.compile(step, fullgraph=True)
+    t = torch.randn(b, s, 3, 40, device=DEVICE)
+    pos = torch.randint(0, 2**24, (b, s), device=DEVICE)
+    axis_pos = torch.randint(0, 4096, (3, b, s), device=DEVICE)
+    x1, x2 = t.clone().requires_grad_(True), t.clone().requires_grad_(True)
+    out, ref = compiled(x1, pos, axis_pos), step(x2, pos, axis_pos)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x1, grad)[0], torch.autograd.grad(ref, x2, grad)[0])
+
+
+# M-RoPE (issue 14) against transformers' own Qwen2-VL / Qwen3-VL text rotary modules
+# (`_mrope_configs` and `_hf_mrope_module` above: head_dim 32, rope_theta 100).
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
+def test_mrope_matches_transformers(interleaved):
+    """transformers 5 applies M-RoPE with the models' `apply_rotary_pos_emb` (q, k [b, h, s, d],
+    cos/sin [b, s, d] recomposed per axis by the rotary module); ours takes the same tensors as
+    bshd views and the [3, b, s] position ids."""
+    tf = _transformers()
+    _quiet_transformers(tf)
+    import importlib
+    model = "qwen3_vl" if interleaved else "qwen2_vl"
+    hf_apply = importlib.import_module(f"transformers.models.{model}.modeling_{model}").apply_rotary_pos_emb
+    text, _, _ = _mrope_configs(tf, interleaved)
+    hf_rope = _hf_mrope_module(tf, text, interleaved)
+    emb = RotaryPositionEmbedding.from_hf_config(text, device=DEVICE)
+    torch.manual_seed(45)
+    b, s, heads, kv_heads, d = 2, 10, 2, 1, 32
+    pos = torch.randint(0, 4096, (3, b, s))
+    q, k = torch.randn(b, heads, s, d), torch.randn(b, kv_heads, s, d)
+    cos, sin = hf_rope(q, pos)
+    hf_q, hf_k = hf_apply(q, k, cos, sin)
+    pair_pos = _pair_positions(pos, d // 2, _mrope_axis_rule(text.rope_parameters["mrope_section"], interleaved))
+    for x, hf_out in ((q, hf_q), (k, hf_k)):
+        ours = apply_rotary_pos_emb(x.transpose(1, 2).to(DEVICE), emb, "bshd", positions=pos.to(DEVICE))
+        ours = ours.transpose(1, 2).cpu()
+        # transformers rounds position * inv_freq to float32 (up to 2^-13 rad below 4096, so up to
+        # ~6e-4 on these values); a wrong axis or pair layout would be off by O(1)
+        torch.testing.assert_close(ours, hf_out, rtol=0, atol=1e-3)
+        ref = _rotate64(x.transpose(1, 2), pair_pos, emb.inv_freq, False).transpose(1, 2)
+        assert _rel_error(ours, ref) < EXACT_REL_TOL
+        assert _rel_error(ours, ref) < _rel_error(hf_out, ref)
+
+
+def _vl_positions(sequences):
+    """[3, t] M-RoPE position ids of packed sequences as Qwen2-VL's get_rope_index lays them out:
+    text advances all three axes together; an image (frames, rows, cols) grid keeps its start on
+    every axis plus frame / row / column index on the temporal / height / width axis, and the
+    text after it resumes at one past the largest position used. Each sequence starts at 0."""
+    columns = []
+    for segments in sequences:
+        start = 0
+        for seg in segments:
+            if seg[0] == "text":
+                p = torch.arange(seg[1]) + start
+                columns.append(torch.stack([p, p, p]))
+            else:
+                _, frames, rows, cols = seg
+                f, r, c = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
+                columns.append(torch.stack([f.flatten(), r.flatten(), c.flatten()]) + start)
+            start = int(columns[-1].max()) + 1
+    return torch.cat(columns, dim=1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
+def test_mrope_exact_and_packed(interleaved):
+    """M-RoPE against the float64 reference, forward and backward: (a) random positions up to
+    2^24 - 1 on each axis, bshd [3, b, s] and sbhd [3, s]; (b) thd with images, a video and text
+    packed into three sequences, where positions jump, repeat and differ across axes."""
+    emb = _mrope_module(interleaved)
+    axis = _mrope_axis_rule(emb.mrope_section, interleaved)
+    gen = torch.Generator().manual_seed(46)
+    s, b, h, d = 5, 2, 2, 40
+    packed = _vl_positions([[("text", 3), ("image", 1, 2, 3), ("text", 2)],
+                            [("image", 2, 2, 2), ("text", 4)],
+                            [("text", 2), ("image", 1, 3, 1), ("text", 1)]])
+    assert packed.shape == (3, 29) and not torch.equal(packed[0], packed[1])
+    cases = [("bshd", (b, s, h, d), _random_exact_positions(gen, 3, b, s), None),
+             ("sbhd", (s, b, h, d), _random_exact_positions(gen, 3, s), lambda p: p[:, :, None].expand(3, s, b)),
+             ("thd", (29, h, d), packed, None)]
+    for fmt, shape, pos, as_tokens in cases:
+        t = torch.randn(shape, generator=gen).to(DEVICE)
+        grad = torch.randn(shape, generator=gen).to(DEVICE)
+        out, dx = _fwd_bwd(t, emb, grad, tensor_format=fmt, positions=pos.to(DEVICE))
+        pair_pos = _pair_positions(as_tokens(pos) if as_tokens else pos, 16, axis)
+        ref = _rotate64(t, pair_pos, emb.inv_freq, False)
+        ref_dx = _rotate64(grad, pair_pos, emb.inv_freq, False, transpose=True)
+        lead = len(shape) - 2
+        for got, expected in ((out, ref), (dx, ref_dx)):
+            assert _rel_error(got, expected) < EXACT_REL_TOL, fmt
+            assert _worst_token_rel_error(got, expected, lead) < EXACT_REL_TOL, fmt
+        # the unfused path (float64 angles, float32 cos/sin) agrees as well
+        unfused = _fwd_bwd(t, emb, grad, tensor_format=fmt, positions=pos.to(DEVICE), fused=False)
+        torch.testing.assert_close(out, unfused[0])
+        torch.testing.assert_close(dx, unfused[1])
+
+
+def test_mrope_text_positions_reduce_to_rope():
+    """Text only (all axes equal) M-RoPE is plain RoPE: the module without positions, with [3, s]
+    positions all equal to the index, and the plain module give the same result."""
+    torch.manual_seed(47)
+    t = torch.randn(6, 2, 2, 40, device=DEVICE)
+    plain = apply_rotary_pos_emb(t, RotaryPositionEmbedding(32, device=DEVICE))
+    for interleaved in (False, True):
+        mrope = _mrope_module(interleaved)
+        assert torch.equal(apply_rotary_pos_emb(t, mrope), plain)
+        same = torch.arange(6, device=DEVICE).expand(3, 6)
+        assert torch.equal(apply_rotary_pos_emb(t, mrope, positions=same), plain)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["contiguous", "interleaved"])
+def test_mrope_gradcheck_float64(interleaved):
+    """float64 through the kernel, M-RoPE positions that differ per axis: the backward is the
+    true gradient."""
+    torch.manual_seed(48)
+    emb = _mrope_module(interleaved, 8, [2, 1, 1])
+    pos = torch.tensor([[[3, 70, 5]], [[900, 1, 2]], [[12, 12, 4000]]], device=DEVICE)     # [3, b=1, s=3]
+    t = torch.randn(1, 3, 2, 10, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: apply_rotary_pos_emb(x, emb, "bshd", positions=pos), (t,))
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
+def test_fused_qkv_mrope(tensor_format):
+    """Fused QKV with an M-RoPE module and [3, b, s] positions: q and k against the float64
+    reference, v copied, and the packed gradient the transposed rotation of (dq, dk) next to dv."""
+    torch.manual_seed(49)
+    emb = _mrope_module(True)
+    axis = _mrope_axis_rule(emb.mrope_section, True)
+    s, b, kv_heads, d, dv = 4, 2, 2, 40, 8
+    split = [2 * d, d, dv]
+    lead = (s, b) if tensor_format == "sbhd" else (b, s)
+    qkv = torch.randn(*lead, kv_heads, sum(split), device=DEVICE)
+    pos = _random_exact_positions(torch.Generator().manual_seed(49), 3, b, s)
+    tok_pos = pos if tensor_format == "bshd" else pos.transpose(1, 2)            # [3, *lead]
+    pair_pos = _pair_positions(tok_pos, 16, axis)
+    x = qkv.clone().requires_grad_(True)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(x, emb, emb, split, tensor_format, positions=pos.to(DEVICE))
+    gq, gk, gv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+    (dx,) = torch.autograd.grad((q, k, v), x, (gq, gk, gv))
+    q_in = qkv[..., :2 * d].reshape(*lead, 2 * kv_heads, d)
+    assert _rel_error(q, _rotate64(q_in, pair_pos, emb.inv_freq, False)) < EXACT_REL_TOL
+    assert _rel_error(k, _rotate64(qkv[..., 2 * d:3 * d], pair_pos, emb.inv_freq, False)) < EXACT_REL_TOL
+    assert torch.equal(v, qkv[..., 3 * d:])
+    ref_dx = torch.cat((_rotate64(gq, pair_pos, emb.inv_freq, False, transpose=True).reshape(*lead, kv_heads, 2 * d),
+                        _rotate64(gk, pair_pos, emb.inv_freq, False, transpose=True), gv.double().cpu()), dim=-1)
+    assert _rel_error(dx, ref_dx) < EXACT_REL_TOL
+
+
+# --- Accuracy study (README): error vs position, table vs exact angles ---
+
+def _accuracy_vs_position(head_dim=128, tokens=4, heads=4, seed=50):
+    """Relative error ||out - ref|| / ||ref|| against the float64 rotation, float32 input, for
+    (a) the table path (TE's float32 angle table) and (b) the exact path (the module), at
+    positions up to 2^k for k = 0..24: `tokens` positions in (2^(k-1), 2^k], the largest
+    2^k itself (2^24 - 1 for k = 24, the exact path's last position). Powers of two alone would
+    flatter the table: float32(2^k * inv_freq) is exact. Runs one position per call so that the
+    table can be TE's row itself (`emb(1, offset=p)`, equal to row p of the full table).
+    Returns rows (k, largest position, table error, exact error)."""
+    gen = torch.Generator().manual_seed(seed)
+    emb = RotaryPositionEmbedding(head_dim, device=DEVICE)
+    rows = []
+    for k in range(25):
+        top = min(2**k, MAX_EXACT_POSITION)
+        low = 2 ** (k - 1) + 1 if k > 0 else top
+        pos = torch.cat([torch.tensor([top]), torch.randint(low, top + 1, (tokens - 1,), generator=gen)])
+        t = torch.randn(tokens, 1, heads, head_dim, generator=gen).to(DEVICE)
+        table = torch.cat([emb(1, offset=int(p)) for p in pos])                 # TE's rows p
+        ref = _rotate64(t, _pair_positions(pos[:, None], head_dim // 2), emb.inv_freq, False)
+        rows.append((k, top,
+                     _rel_error(apply_rotary_pos_emb(t, table), ref),
+                     _rel_error(apply_rotary_pos_emb(t, emb, positions=pos.to(DEVICE)), ref)))
+    return rows
+
+
+def plot_accuracy(path="artifacts/accuracy_vs_position.png", rows=None):
+    """The accuracy study (`rows`, else computed now) as a plot at `path` and a CSV next to it
+    (same name, .csv); returns the rows. The committed artifacts come from CPU through Triton's
+    interpreter; a GPU runs the same arithmetic (explicit fma, the kernel's own sin/cos)."""
+    import csv
+    if rows is None:
+        rows = _accuracy_vs_position()
+    stem = os.path.splitext(str(path))[0]
+    with open(stem + ".csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["k", "max_position", "table_rel_error", "exact_rel_error"])
+        writer.writerows((k, p, f"{a:.3e}", f"{e:.3e}") for k, p, a, e in rows)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    positions = [p for _, p, _, _ in rows]
+    ax.loglog(positions, [a for _, _, a, _ in rows], "o-", label="table path (TE's float32 angles)")
+    ax.loglog(positions, [e for _, _, _, e in rows], "s-", label="exact path (position * inv_freq)")
+    ax.axhline(EXACT_REL_TOL, color="gray", ls="--", lw=0.8, label="test bound 2e-6")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("largest position 2^k (4 tokens in (2^(k-1), 2^k], 2^24 - 1 at the end)")
+    ax.set_ylabel("relative error vs float64")
+    ax.set_title("RoPE, head dim 128, base 10000, float32 input")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    plt.close(fig)
+    return rows
+
+
+def test_accuracy_vs_position(tmp_path):
+    """The study's story: the table's error grows with the position (float32 angles lose
+    absolute precision as they grow) and passes 1e-4 by 2^20, while the exact path stays below
+    2e-6 everywhere up to 2^24 - 1."""
+    rows = _accuracy_vs_position()
+    table = {k: a for k, _, a, _ in rows}
+    assert all(e < EXACT_REL_TOL for _, _, _, e in rows), rows
+    assert table[20] > 1e-4
+    # every four octaves the table's error grows (about 16x: one float32 ulp of the angle)
+    assert all(table[k + 4] > 4 * table[k] for k in range(8, 21)), table
+    assert table[24] > 1e-3 and table[4] < EXACT_REL_TOL
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    plot_accuracy(tmp_path / "accuracy_vs_position.png", rows)
+    assert (tmp_path / "accuracy_vs_position.png").stat().st_size > 0
+    assert (tmp_path / "accuracy_vs_position.csv").read_text().count("\n") == 1 + len(rows)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with >= 20 GB free")
 def test_more_than_2_pow_31_elements():
