@@ -1303,9 +1303,6 @@ def test_table_angles_lose_accuracy_where_exact_angles_do_not():
         assert table_error > 100 * exact_error
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: positions >= 2^24 are rounded to float32 before the "
-                   "two-product, and only |angle| >= 2^24 becomes NaN, so with inv_freq[0] < 1 (linear "
-                   "scaling) such positions are silently wrong")
 def test_positions_past_float32_integers_are_exact_or_nan():
     """Past 2^24 a position no longer converts to float32 exactly. With linear scaling (factor 4,
     so inv_freq[0] = 1/4) positions up to 2^26 still give angles below 2^24, where the kernel

@@ -105,12 +105,12 @@ def _sincos_or_nan(hi, lo):
     return tl.where(big, nan, sin), tl.where(big, nan, cos)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "search_steps",
-                               "cp_size", "cp_rank", "freqs_len", "angle_scale"])
+@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "cp_size", "cp_rank",
+                               "freqs_len", "angle_scale"])
 def rotary_kernel(
     OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
     num_tokens, seq_len, batch, nheads, rotary_dim, head_dim, freqs_len,
-    num_seqs, search_steps, cp_size, cp_rank, angle_scale,
+    num_seqs, cp_size, cp_rank, angle_scale,
     stride_x_seq, stride_x_batch, stride_x_head, stride_x_dim,
     stride_out_seq, stride_out_batch, stride_out_head, stride_out_dim,
     stride_freqs_seq, stride_freqs_dim,
@@ -127,6 +127,7 @@ def rotary_kernel(
     WIDE_INNER: tl.constexpr,    # offsets inside one token may exceed int32 (exotic strides)
     ANGLES_FROM_POSITIONS: tl.constexpr,  # FREQS is inv_freq [d2/2], else the table [s2, d2]
     POSITIONS_FROM: tl.constexpr,         # IMPLICIT_POSITIONS, POSITIONS_TENSOR, ...
+    SEARCH_STEPS: tl.constexpr,  # thd: binary-search steps over cu_seqlens, bit length of b
 ):
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     _rope_tile(
@@ -143,7 +144,7 @@ def rotary_kernel(
         stride_pos_batch=stride_pos_batch,
         freqs_len=freqs_len, angle_scale=angle_scale, rotary_dim=rotary_dim, head_dim=head_dim,
         num_tokens=num_tokens, seq_len=seq_len, batch=batch, num_seqs=num_seqs,
-        search_steps=search_steps, cp_size=cp_size, cp_rank=cp_rank,
+        cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=SEARCH_STEPS,
         BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
         INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, SEQ_MAJOR=SEQ_MAJOR,
         HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
@@ -157,7 +158,7 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
                stride_out_seq, stride_out_batch, stride_out_group, stride_out_head, stride_out_dim,
                stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
                stride_pos_batch, freqs_len, angle_scale, rotary_dim, head_dim, num_tokens,
-               seq_len, batch, num_seqs, search_steps, cp_size, cp_rank,
+               seq_len, batch, num_seqs, cp_size, cp_rank, SEARCH_STEPS: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
                IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr,
@@ -210,8 +211,8 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
 
     # Positions and cos/sin, shared by all heads of the tile.
     in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
-                             seq_len, num_seqs, search_steps, cp_size, cp_rank, stride_pos_seq,
-                             stride_pos_batch, IS_THD, HAS_START, POSITIONS_FROM)
+                             seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq,
+                             stride_pos_batch, SEARCH_STEPS, IS_THD, HAS_START, POSITIONS_FROM)
     if ANGLES_FROM_POSITIONS:
         cos1, cos2, sin_a, sin_b = _rotation_from_positions(
             FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale, half, stride_pos_axis,
@@ -273,8 +274,9 @@ def _token_coords(tok, seq_len, batch, IS_THD: tl.constexpr, SEQ_MAJOR: tl.const
 
 @triton.jit
 def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len,
-               num_seqs, search_steps, cp_size, cp_rank, stride_pos_seq, stride_pos_batch,
-               IS_THD: tl.constexpr, HAS_START: tl.constexpr, POSITIONS_FROM: tl.constexpr):
+               num_seqs, cp_size, cp_rank, stride_pos_seq, stride_pos_batch,
+               SEARCH_STEPS: tl.constexpr, IS_THD: tl.constexpr, HAS_START: tl.constexpr,
+               POSITIONS_FROM: tl.constexpr):
     """(in_seq, pos): whether each token lies inside a thd sequence (always, otherwise) and
     its position (int64). With axis positions (M-RoPE), `pos` is instead the token's element
     offset in POSITIONS, the axis still to be added per pair."""
@@ -296,7 +298,7 @@ def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, 
         lo = tok * 0
         hi = lo + num_seqs
         next_start = (tok.to(tl.int64) + 1) * cp_size
-        for _ in range(search_steps):
+        for _ in range(SEARCH_STEPS):
             mid = (lo + hi + 1) // 2
             go_right = tl.load(CU_SEQLENS + mid) < next_start
             lo = tl.where(go_right, mid, lo)
@@ -369,7 +371,7 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, h
 
     The product of the integer position and the float32 inverse frequency is kept exact as
     hi + lo (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
-    exactly), and reduced modulo pi/2 without rounding it first (`_sincos`)."""
+    exactly; NaN beyond), and reduced modulo pi/2 without rounding it first (`_sincos`)."""
     offs_k = tl.arange(0, BLOCK_HALF)
     mask_k = offs_k < half
     inv_freq = tl.load(INV_FREQ + offs_k, mask=mask_k, other=0.0)
@@ -387,6 +389,10 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, h
         hi = pf * inv_freq[None, :]
         lo = tl.fma(pf, inv_freq[None, :], -hi)
         sin, cos = _sincos_or_nan(hi, lo)
+        # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
+        inexact = tl.abs(p) >= _FAST_REDUCTION_LIMIT
+        nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+        sin, cos = tl.where(inexact, nan, sin), tl.where(inexact, nan, cos)
     sin = (sin * angle_scale)[:, None, :]
     cos = (cos * angle_scale)[:, None, :]
     if BACKWARD:
@@ -441,7 +447,7 @@ def rotary_qkv_kernel(
             stride_pos_batch=stride_pos_batch,
             freqs_len=q_freqs_len, angle_scale=q_angle_scale, rotary_dim=rotary_dim,
             head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
-            num_seqs=batch, search_steps=0, cp_size=cp_size, cp_rank=cp_rank,
+            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=0,
             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
             INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
             HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
@@ -478,7 +484,7 @@ def rotary_qkv_kernel(
             stride_pos_batch=stride_pos_batch,
             freqs_len=k_freqs_len, angle_scale=k_angle_scale, rotary_dim=rotary_dim,
             head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
-            num_seqs=batch, search_steps=0, cp_size=cp_size, cp_rank=cp_rank,
+            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=0,
             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_KV, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
             INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
             HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
@@ -865,24 +871,23 @@ _PLANS = {}
 _MAX_PLANS = 4096
 
 
-def _metadata_key(tensors, *values):
-    """A plan's key, or None where an argument is not hashable as needed (the checks will
-    say what is wrong with it)."""
-    meta = []
-    for x in tensors:
-        if x is None:
-            meta.append(None)
-        elif isinstance(x, torch.Tensor):
-            meta.append((x.shape, x.stride(), x.dtype, x.device))
-        else:
-            return None
-    typed = []
-    for v in values:
-        if isinstance(v, (list, tuple)):       # e.g. qkv_split_arg_list: each element's type
-            typed.append((type(v), tuple((e, type(e)) for e in v)))
-        else:
-            typed.append((v, type(v)))
-    return (*meta, *typed, _launch_rule())
+def _metadata_key(tensors, values):
+    """A plan's key: each tensor's metadata (never its values), the other arguments with
+    their types (so that 2 and 2.0, True and 1 are told apart), and the launch rule; None
+    where an argument has no tensor metadata (the checks will say what is wrong with it)."""
+    try:
+        meta = tuple([None if x is None else (x.shape, x.stride(), x.dtype, x.device)
+                      for x in tensors])
+    except (AttributeError, TypeError):
+        return None
+    return meta, values, tuple(map(type, values)), _launch_rule()
+
+
+def _typed(seq):
+    """A list argument as a hashable key part that keeps each element's type."""
+    if isinstance(seq, (list, tuple)):
+        return tuple([(e, type(e)) for e in seq])
+    return seq
 
 
 def _cached_plan(key, make):
@@ -898,6 +903,13 @@ def _cached_plan(key, make):
                 _PLANS.clear()
             _PLANS[key] = plan
     return plan
+
+
+def _source_key(source):
+    """The non-tensor fields of an AngleSource (whatever `source` is: the checks judge it)."""
+    if isinstance(source, AngleSource):
+        return source.from_positions, source.n_axes, source.scale, source.interleaved
+    return (type(source),)
 
 
 def _source_scalars(source):
@@ -931,8 +943,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     grid, meta = launch_config(shape, t.device, copy_pass=not in_place)
     freqs_len, scale = _source_scalars(source)
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
-               shape.head_dim, freqs_len, shape.batch,
-               max(shape.batch, 1).bit_length() if is_thd else 0, cp_size, cp_rank, scale,
+               shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale,
                *x_strides, *out_strides,
                *((0, 0) if source.from_positions else (source.angles.stride(0), source.angles.stride(3))),
                *_position_strides(positions, source, tensor_format))
@@ -940,7 +951,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                       SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
                       WIDE_INNER=widest > _INT32_MAX,
                       ANGLES_FROM_POSITIONS=source.from_positions,
-                      POSITIONS_FROM=_positions_mode(source, positions), **meta)
+                      POSITIONS_FROM=_positions_mode(source, positions),
+                      SEARCH_STEPS=max(shape.batch, 1).bit_length() if is_thd else 0, **meta)
     return _Plan(_Launch(rotary_kernel, grid, scalars, constexprs))
 
 
@@ -972,15 +984,13 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     tensors = (t, source.angles if isinstance(source, AngleSource) else source,
                getattr(source, "pair_axis", None), start_positions, cu_seqlens, positions,
                None if out is t else out)
-    key = _metadata_key(tensors, "rope", tensor_format, interleaved, cp_size, cp_rank, backward,
-                        out is t, getattr(source, "from_positions", None),
-                        getattr(source, "n_axes", None), getattr(source, "scale", None),
-                        getattr(source, "interleaved", None))
+    key = _metadata_key(tensors, ("rope", tensor_format, interleaved, cp_size, cp_rank,
+                                  backward, out is t, *_source_key(source)))
     plan = _cached_plan(key, lambda: _make_plan(t, source, tensor_format, start_positions,
                                                 cu_seqlens, cp_size, cp_rank, interleaved,
                                                 backward, out, positions))
     if out is None:
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
     if plan.launch is not None:
         plan.launch(out, t, source.angles, source.pair_axis, positions, start_positions,
                     cu_seqlens)
@@ -1110,11 +1120,9 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
     tensors = (qkv, *[getattr(s, "angles", s) for s in sources],
                *[getattr(s, "pair_axis", None) for s in sources], start_positions, positions,
                *(grads or ()))
-    key = _metadata_key(tensors, "qkv", split, tensor_format, interleaved, cp_size, cp_rank,
-                        grads is None,
-                        *[(getattr(s, "from_positions", None), getattr(s, "n_axes", None),
-                           getattr(s, "scale", None), getattr(s, "interleaved", None))
-                          for s in sources])
+    key = _metadata_key(tensors, ("qkv", _typed(split), tensor_format, interleaved, cp_size,
+                                  cp_rank, grads is None, *_source_key(sources[0]),
+                                  *_source_key(sources[1])))
     plan = _cached_plan(key, lambda: _make_qkv_plan(
         qkv, *sources, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
         grads, positions))

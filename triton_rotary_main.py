@@ -8,7 +8,7 @@
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -361,44 +361,44 @@ class RotaryPositionEmbedding(torch.nn.Module):
         return emb.reshape(emb.shape[0], 1, 1, emb.shape[1])
 
 
-def _source_args(source: AngleSource):
-    """An AngleSource as the plain values autograd functions and custom ops take."""
-    return source.angles, source.pair_axis, source.from_positions, source.n_axes, source.scale
-
-
-def _source(angles, pair_axis, from_positions, n_axes, scale):
-    # The pair layout was checked against the module's at the entry point.
-    return AngleSource(angles, from_positions, pair_axis, n_axes, scale, None)
+class RopeCall(NamedTuple):
+    """Everything about one RoPE launch except the tensor rotated: what `ctx` keeps for the
+    backward, which is the same call with the rotation transposed."""
+    source: AngleSource
+    tensor_format: str
+    start_positions: Optional[torch.Tensor]
+    interleaved: bool
+    cu_seqlens: Optional[torch.Tensor]
+    cp_size: int
+    cp_rank: int
+    positions: Optional[torch.Tensor]
+    transpose: bool
 
 
 class RopeForwardAndBackward(torch.autograd.Function):
     """Autograd wiring: forward and backward are each one launch of `rotary_kernel`. The
     backward is this function again with the rotation transposed, so under
-    `create_graph=True` the gradient is differentiable too (its backward is the forward)."""
+    `create_graph=True` the gradient is differentiable too (its backward is the forward).
+    The call's options travel as one `RopeCall`: each extra argument of `apply` costs CPU
+    time on every step."""
 
     @staticmethod
-    def forward(ctx, t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
-                start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions, transpose):
-        out = _rope_launch(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
-                           start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions,
-                           transpose)
-        ctx.save_for_backward(angles, pair_axis, start_positions, cu_seqlens, positions)
-        ctx.from_positions, ctx.n_axes, ctx.scale = from_positions, n_axes, scale
-        ctx.tensor_format, ctx.interleaved = tensor_format, interleaved
-        ctx.cp_size, ctx.cp_rank, ctx.transpose = cp_size, cp_rank, transpose
-        return out
+    def forward(ctx, t, call):
+        ctx.call = call
+        return _rope_launch(t, call)
 
     @staticmethod
     def backward(ctx, grad_out):
-        angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
-        args = (angles, pair_axis, ctx.from_positions, ctx.n_axes, ctx.scale, ctx.tensor_format,
-                start_positions, ctx.interleaved, cu_seqlens, ctx.cp_size, ctx.cp_rank,
-                positions, not ctx.transpose)
+        call = ctx.call._replace(transpose=not ctx.call.transpose)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
-            grad_t = RopeForwardAndBackward.apply(grad_out, *args)
-        else:
-            grad_t = _rope_launch(grad_out, *args)
-        return (grad_t,) + (None,) * 13
+            return RopeForwardAndBackward.apply(grad_out, call), None
+        return _rope_launch(grad_out, call), None
+
+
+def _source(angles, pair_axis, from_positions, n_axes, scale):
+    # A custom op's arguments back into an AngleSource; the pair layout was checked at the
+    # entry point, where the module's own layout was known.
+    return AngleSource(angles, from_positions, pair_axis, n_axes, scale, None)
 
 
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
@@ -442,17 +442,22 @@ def _(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_
                     need_kernel=False)
 
 
-def _rope_launch(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
-                 start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions,
-                 backward):
+def _op_args(call):
+    """A RopeCall as the custom ops' arguments (tensors, bools, ints, floats and strings)."""
+    src = call.source
+    return (src.angles, src.pair_axis, src.from_positions, src.n_axes, src.scale,
+            call.tensor_format, call.start_positions, call.interleaved, call.cu_seqlens,
+            call.cp_size, call.cp_rank, call.positions)
+
+
+def _rope_launch(t, call: RopeCall):
     if torch.compiler.is_compiling():
-        return _rope_op(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format,
-                        start_positions, interleaved, cu_seqlens, cp_size, cp_rank, positions,
-                        backward)
+        check_layout(call.source, call.interleaved)     # the op's arguments drop the module's
+        return _rope_op(t, *_op_args(call), call.transpose)
     # Eager: call the launcher directly, sparing the dispatcher's per-call overhead.
-    return set_rotary_kernel(t, _source(angles, pair_axis, from_positions, n_axes, scale),
-                             tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                             cp_rank, backward=backward, positions=positions)
+    return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
+                             call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
+                             backward=call.transpose, positions=call.positions)
 
 
 def token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
@@ -599,11 +604,9 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     if not fused:
         return _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
                              cp_size, cp_rank, positions)
-    source = angle_source(freqs)
-    check_layout(source, interleaved)      # here, where the module's own layout is known
-    return RopeForwardAndBackward.apply(t, *_source_args(source), tensor_format, start_positions,
-                                        interleaved, cu_seqlens, cp_size, cp_rank, positions,
-                                        False)
+    call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
+                    cu_seqlens, cp_size, cp_rank, positions, False)
+    return RopeForwardAndBackward.apply(t, call)
 
 
 def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
@@ -620,80 +623,76 @@ def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "s
         raise ValueError("apply_rotary_pos_emb_inplace is for inference: t requires grad; use "
                          "apply_rotary_pos_emb, or call it under torch.no_grad()")
     source = angle_source(freqs)
-    check_layout(source, interleaved)
     if torch.compiler.is_compiling():
-        _rope_inplace_op(t, *_source_args(source), tensor_format, start_positions, interleaved,
-                         cu_seqlens, cp_size, cp_rank, positions)
+        check_layout(source, interleaved)     # the op's arguments no longer carry the module's
+        _rope_inplace_op(t, *_op_args(RopeCall(source, tensor_format, start_positions,
+                                               interleaved, cu_seqlens, cp_size, cp_rank,
+                                               positions, False)))
         return t
     return set_rotary_kernel(t, source, tensor_format, start_positions, interleaved, cu_seqlens,
                              cp_size, cp_rank, out=t, positions=positions)
 
 
+class QKVCall(NamedTuple):
+    """Everything about one fused-QKV launch except the tensors it reads."""
+    q_source: AngleSource
+    k_source: AngleSource
+    split: object           # qkv_split_arg_list as given (the checks judge it)
+    tensor_format: str
+    start_positions: Optional[torch.Tensor]
+    interleaved: bool
+    cp_size: int
+    cp_rank: int
+    positions: Optional[torch.Tensor]
+
+
 class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
-    """Fused QKV: one launch forward (packed qkv -> q, k, v), one launch backward (->
-    the packed gradient). The backward is `_FusedQKVRopeTranspose`, whose own backward is this
+    """Fused QKV: one launch forward (packed qkv -> q, k, v), one launch backward (-> the
+    packed gradient). The backward is `_FusedQKVRopeTranspose`, whose own backward is this
     forward, so double backward works."""
 
     @staticmethod
-    def forward(ctx, qkv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes,
-                q_scale, k_scale, qkv_split_arg_list, tensor_format, start_positions,
-                interleaved, cp_size, cp_rank, positions):
-        ctx.save_for_backward(q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions,
-                              positions)
-        ctx.from_positions, ctx.n_axes, ctx.q_scale, ctx.k_scale = from_positions, n_axes, q_scale, k_scale
-        ctx.split, ctx.tensor_format, ctx.interleaved = tuple(qkv_split_arg_list), tensor_format, interleaved
-        ctx.cp_size, ctx.cp_rank = cp_size, cp_rank
-        return _qkv_launch(qkv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions,
-                           n_axes, q_scale, k_scale, list(qkv_split_arg_list), tensor_format,
-                           start_positions, interleaved, cp_size, cp_rank, positions)
+    def forward(ctx, qkv, call):
+        ctx.call = call
+        return _qkv_launch(qkv, call)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
-        args = (q_angles, q_pair_axis, k_angles, k_pair_axis, ctx.from_positions, ctx.n_axes,
-                ctx.q_scale, ctx.k_scale, list(ctx.split), ctx.tensor_format, start_positions,
-                ctx.interleaved, ctx.cp_size, ctx.cp_rank, positions)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
-            dqkv = _FusedQKVRopeTranspose.apply(dq, dk, dv, *args)
-        else:
-            dqkv = _qkv_backward_launch(dq, dk, dv, *args)
-        return (dqkv,) + (None,) * 15
+            return _FusedQKVRopeTranspose.apply(dq, dk, dv, ctx.call), None
+        return _qkv_backward_launch(dq, dk, dv, ctx.call), None
 
 
 class _FusedQKVRopeTranspose(torch.autograd.Function):
     """(dq, dk, dv) -> the packed gradient of qkv, as a differentiable function."""
 
     @staticmethod
-    def forward(ctx, dq, dk, dv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions,
-                n_axes, q_scale, k_scale, qkv_split_arg_list, tensor_format, start_positions,
-                interleaved, cp_size, cp_rank, positions):
-        ctx.save_for_backward(q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions,
-                              positions)
-        ctx.from_positions, ctx.n_axes, ctx.q_scale, ctx.k_scale = from_positions, n_axes, q_scale, k_scale
-        ctx.split, ctx.tensor_format, ctx.interleaved = tuple(qkv_split_arg_list), tensor_format, interleaved
-        ctx.cp_size, ctx.cp_rank = cp_size, cp_rank
-        return _qkv_backward_launch(dq, dk, dv, q_angles, q_pair_axis, k_angles, k_pair_axis,
-                                    from_positions, n_axes, q_scale, k_scale, qkv_split_arg_list,
-                                    tensor_format, start_positions, interleaved, cp_size, cp_rank,
-                                    positions)
+    def forward(ctx, dq, dk, dv, call):
+        ctx.call = call
+        return _qkv_backward_launch(dq, dk, dv, call)
 
     @staticmethod
     def backward(ctx, grad_dqkv):
-        q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
-        args = (q_angles, q_pair_axis, k_angles, k_pair_axis, ctx.from_positions, ctx.n_axes,
-                ctx.q_scale, ctx.k_scale, list(ctx.split), ctx.tensor_format, start_positions,
-                ctx.interleaved, ctx.cp_size, ctx.cp_rank, positions)
         if torch.is_grad_enabled():
-            ddq, ddk, ddv = FusedQKVRopeForwardAndBackward.apply(grad_dqkv, *args)
-        else:
-            ddq, ddk, ddv = _qkv_launch(grad_dqkv, *args)
-        return (ddq, ddk, ddv) + (None,) * 15
+            return (*FusedQKVRopeForwardAndBackward.apply(grad_dqkv, ctx.call), None)
+        return (*_qkv_launch(grad_dqkv, ctx.call), None)
 
 
-def _qkv_sources(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
-                 k_scale):
-    return (_source(q_angles, q_pair_axis, from_positions, n_axes, q_scale),
-            _source(k_angles, k_pair_axis, from_positions, n_axes, k_scale))
+def _qkv_op_args(call):
+    """A QKVCall as the custom ops' arguments."""
+    q, k = call.q_source, call.k_source
+    return (q.angles, q.pair_axis, k.angles, k.pair_axis, q.from_positions, q.n_axes, q.scale,
+            k.scale, list(call.split), call.tensor_format, call.start_positions, call.interleaved,
+            call.cp_size, call.cp_rank, call.positions)
+
+
+def _qkv_call(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
+              k_scale, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
+              positions):
+    return QKVCall(_source(q_angles, q_pair_axis, from_positions, n_axes, q_scale),
+                   _source(k_angles, k_pair_axis, from_positions, n_axes, k_scale),
+                   split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
+                   positions)
 
 
 @torch.library.custom_op("triton_rotary::qkv_rope", mutates_args=())
@@ -703,21 +702,17 @@ def _qkv_op(qkv: torch.Tensor, q_angles: torch.Tensor, q_pair_axis: Optional[tor
             tensor_format: str, start_positions: Optional[torch.Tensor], interleaved: bool,
             cp_size: int, cp_rank: int, positions: Optional[torch.Tensor]
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    sources = _qkv_sources(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes,
-                           q_scale, k_scale)
-    return set_rotary_qkv_kernel(qkv, *sources, qkv_split_arg_list, tensor_format,
-                                 start_positions, interleaved, cp_size, cp_rank,
-                                 positions=positions)
+    return _qkv_eager(qkv, _qkv_call(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions,
+                                     n_axes, q_scale, k_scale, qkv_split_arg_list, tensor_format,
+                                     start_positions, interleaved, cp_size, cp_rank, positions))
 
 
 @_qkv_op.register_fake
-def _(qkv, q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
-      k_scale, qkv_split_arg_list, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-      positions):
-    sources = _qkv_sources(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes,
-                           q_scale, k_scale)
-    _, split = check_qkv_args(qkv, *sources, qkv_split_arg_list, tensor_format, start_positions,
-                              cp_size, cp_rank, interleaved, positions, need_kernel=False)
+def _(qkv, *args):
+    call = _qkv_call(*args)
+    _, split = check_qkv_args(qkv, call.q_source, call.k_source, call.split,
+                              call.tensor_format, call.start_positions, call.cp_size,
+                              call.cp_rank, call.interleaved, call.positions, need_kernel=False)
     return qkv_outputs(qkv, split)
 
 
@@ -729,10 +724,10 @@ def _qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                      qkv_split_arg_list: List[int], tensor_format: str,
                      start_positions: Optional[torch.Tensor], interleaved: bool, cp_size: int,
                      cp_rank: int, positions: Optional[torch.Tensor]) -> torch.Tensor:
-    return _qkv_backward_eager(dq, dk, dv, q_angles, q_pair_axis, k_angles, k_pair_axis,
-                               from_positions, n_axes, q_scale, k_scale, qkv_split_arg_list,
-                               tensor_format, start_positions, interleaved, cp_size, cp_rank,
-                               positions)
+    return _qkv_backward_eager(dq, dk, dv, _qkv_call(
+        q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale, k_scale,
+        qkv_split_arg_list, tensor_format, start_positions, interleaved, cp_size, cp_rank,
+        positions))
 
 
 @_qkv_backward_op.register_fake
@@ -740,26 +735,32 @@ def _(dq, dk, dv, *args):
     return dq.new_empty((*dq.shape[:2], dk.shape[2], sum(args[8])))
 
 
-def _qkv_launch(qkv, *args):
+def _qkv_eager(qkv, call):
+    return set_rotary_qkv_kernel(qkv, call.q_source, call.k_source, call.split,
+                                 call.tensor_format, call.start_positions, call.interleaved,
+                                 call.cp_size, call.cp_rank, positions=call.positions)
+
+
+def _qkv_launch(qkv, call):
     if torch.compiler.is_compiling():
-        return _qkv_op(qkv, *args)
-    sources = _qkv_sources(*args[:8])
-    return set_rotary_qkv_kernel(qkv, *sources, *args[8:14], positions=args[14])
+        return _qkv_op(qkv, *_qkv_op_args(call))
+    return _qkv_eager(qkv, call)
 
 
-def _qkv_backward_eager(dq, dk, dv, *args):
+def _qkv_backward_eager(dq, dk, dv, call):
     """The packed gradient of qkv. Only qkv's shape, dtype and device matter to the backward
     launch, so a zero-stride stand-in takes its place (qkv itself is not kept for backward)."""
-    split = list(args[8])
-    packed = dq.new_empty(()).expand(*dq.shape[:2], dk.shape[2], sum(split))
-    return set_rotary_qkv_kernel(packed, *_qkv_sources(*args[:8]), split, *args[9:14],
-                                 grads=(dq, dk, dv), positions=args[14])
+    packed = dq.new_empty(()).expand(*dq.shape[:2], dk.shape[2], sum(call.split))
+    return set_rotary_qkv_kernel(packed, call.q_source, call.k_source, call.split,
+                                 call.tensor_format, call.start_positions, call.interleaved,
+                                 call.cp_size, call.cp_rank, grads=(dq, dk, dv),
+                                 positions=call.positions)
 
 
-def _qkv_backward_launch(dq, dk, dv, *args):
+def _qkv_backward_launch(dq, dk, dv, call):
     if torch.compiler.is_compiling():
-        return _qkv_backward_op(dq, dk, dv, *args)
-    return _qkv_backward_eager(dq, dk, dv, *args)
+        return _qkv_backward_op(dq, dk, dv, *_qkv_op_args(call))
+    return _qkv_backward_eager(dq, dk, dv, call)
 
 
 def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
@@ -791,14 +792,13 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
         return _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format,
                             start_positions, interleaved, cp_size, cp_rank, positions)
     q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
-    for name, source in (("q_freqs", q_source), ("k_freqs", k_source)):
-        check_layout(source, interleaved, name)
+    if torch.compiler.is_compiling():         # the op's arguments drop the modules' layouts
+        for name, source in (("q_freqs", q_source), ("k_freqs", k_source)):
+            check_layout(source, interleaved, name)
     if q_source.from_positions != k_source.from_positions or q_source.n_axes != k_source.n_axes:
-        # Named here: the autograd function below takes one kind for both.
+        # Named here: the custom ops take one kind for both.
         check_qkv_args(qkv, q_source, k_source, qkv_split_arg_list, tensor_format,
                        start_positions, cp_size, cp_rank, interleaved, positions)
-    return FusedQKVRopeForwardAndBackward.apply(
-        qkv, q_source.angles, q_source.pair_axis, k_source.angles, k_source.pair_axis,
-        q_source.from_positions, q_source.n_axes, q_source.scale, k_source.scale,
-        qkv_split_arg_list, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-        positions)
+    call = QKVCall(q_source, k_source, qkv_split_arg_list, tensor_format, start_positions,
+                   interleaved, cp_size, cp_rank, positions)
+    return FusedQKVRopeForwardAndBackward.apply(qkv, call)
