@@ -284,8 +284,23 @@ def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, 
     if POSITIONS_FROM != IMPLICIT_POSITIONS:
         offset = seq_idx.to(tl.int64) * stride_pos_seq + batch_idx.to(tl.int64) * stride_pos_batch
         if POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
-            return in_seq, offset
-        return in_seq, tl.load(POSITIONS + offset).to(tl.int64)
+            pos = offset
+        else:
+            pos = tl.load(POSITIONS + offset).to(tl.int64)
+    else:
+        in_seq, pos = _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
+                                          seq_len, num_seqs, cp_size, cp_rank, SEARCH_STEPS,
+                                          IS_THD, HAS_START)
+    return in_seq, pos
+
+
+@triton.jit
+def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len, num_seqs,
+                        cp_size, cp_rank, SEARCH_STEPS: tl.constexpr, IS_THD: tl.constexpr,
+                        HAS_START: tl.constexpr):
+    """(in_seq, pos) by TE's rules: the token's index in its sequence (int64), moved by context
+    parallelism and start_positions; in_seq says whether a thd token lies in a sequence."""
+    in_seq = tok >= 0
     # int64 from here on: with a long (e.g. expanded) freqs table, start positions and the
     # context-parallel offsets can pass 2^31.
     seq_idx = seq_idx.to(tl.int64)
