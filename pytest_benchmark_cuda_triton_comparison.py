@@ -1040,6 +1040,783 @@ def test_sanitize_cases(case):
     _compare(apply_rotary_pos_emb, t, _overlapping_grad, "unfused", freqs=freqs, **case)
 
 
+# --- Hardening: defects a hostile caller finds, and a fuzzer ---------------------------------
+# Issue 15. Each test below failed on the code before the fixes (eaa2503); the references are
+# the unfused PyTorch formula (fused=False, in float64 where it says so), plain torch ops or
+# hand-computed values, never the kernel itself.
+
+def _both_angle_kinds(d2, rows, interleaved=False):
+    """The same rotation as a table [rows, 1, 1, d2] and as the module that built it."""
+    module = RotaryPositionEmbedding(d2, interleaved=interleaved, device=DEVICE)
+    return {"table": module(rows), "module": module}
+
+
+def _fused_and_unfused(t, freqs, grad=None, **kwargs):
+    """(out, dt) of the kernel and of the unfused formula, for the same input and gradient."""
+    results = []
+    for fused in (True, False):
+        x = t.detach().clone().requires_grad_(True)
+        out = apply_rotary_pos_emb(x, freqs, fused=fused, **kwargs)
+        (dx,) = torch.autograd.grad(out, x, torch.ones_like(out) if grad is None else grad)
+        results.append((out.detach(), dx))
+    return results
+
+
+_ZERO_SIZE_CASES = [
+    ("sbhd s=0", (0, 2, 3, 12), dict()),
+    ("sbhd b=0", (4, 0, 3, 12), dict()),
+    ("sbhd h=0", (4, 2, 0, 12), dict()),
+    ("bshd s=0", (2, 0, 3, 12), dict(tensor_format="bshd")),
+    ("bshd b=0", (0, 4, 3, 12), dict(tensor_format="bshd")),
+    ("sbhd s=0 cp", (0, 2, 3, 12), dict(cp_size=2, cp_rank=1)),
+    ("sbhd s=0 start", (0, 2, 3, 12), dict(start_positions=[1, 2])),
+    ("thd 0 tokens", (0, 3, 12), dict(tensor_format="thd", cu_seqlens=[0, 0])),
+    ("thd 0 tokens, 3 sequences", (0, 3, 12), dict(tensor_format="thd", cu_seqlens=[0, 0, 0, 0])),
+    ("thd h=0", (5, 0, 12), dict(tensor_format="thd", cu_seqlens=[0, 2, 5])),
+    ("thd positions 0 tokens", (0, 3, 12), dict(tensor_format="thd", positions=[])),
+]
+
+
+@pytest.mark.parametrize("angles", ["table", "module"])
+@pytest.mark.parametrize("name,shape,case", _ZERO_SIZE_CASES, ids=[c[0] for c in _ZERO_SIZE_CASES])
+def test_zero_size_inputs(name, shape, case, angles):
+    """Empty inputs give empty results and gradients of the input's shape, like fused=False
+    (the old launcher built a grid with a 0 dimension, or divided by the 0 tokens)."""
+    case = dict(case)
+    for key in ("cu_seqlens", "start_positions", "positions"):
+        if key in case:
+            case[key] = _ints(case[key], torch.int64)
+    freqs = _both_angle_kinds(8, 8)[angles]
+    t = torch.randn(shape, device=DEVICE)
+    (out, dt), (ref_out, ref_dt) = _fused_and_unfused(t, freqs, **case)
+    assert out.shape == dt.shape == ref_out.shape == t.shape and out.dtype == t.dtype
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(dt, ref_dt)
+    # The launcher with a preallocated (empty) out, forward and backward.
+    for backward in (False, True):
+        out = torch.empty_like(t)
+        assert set_rotary_kernel(t, freqs, backward=backward, out=out, **case) is out
+
+
+@pytest.mark.parametrize("angles", ["table", "module"])
+@pytest.mark.parametrize("qkv_shape", [(0, 2, 2, 32), (3, 0, 2, 32), (3, 2, 0, 32)],
+                         ids=["s=0", "b=0", "0 kv heads"])
+def test_zero_size_fused_qkv_and_inplace(qkv_shape, angles):
+    """Fused QKV with no tokens or no kv heads: q, k, v and the packed gradient empty, of the
+    right shapes (fused=False itself fails on s=0 or b=0: test_unfused_qkv_without_tokens)."""
+    freqs = _both_angle_kinds(8, 8)[angles]
+    split = [16, 8, 8]
+    s, b, kv = qkv_shape[:3]
+    qkv = torch.randn(qkv_shape, device=DEVICE, requires_grad=True)
+    outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split)
+    assert [tuple(o.shape) for o in outs] == [(s, b, 2 * kv, 8), (s, b, kv, 8), (s, b, kv, 8)]
+    assert all(o.dtype == qkv.dtype and o.is_contiguous() for o in outs)
+    (dqkv,) = torch.autograd.grad(outs, qkv, [torch.ones_like(o) for o in outs])
+    assert dqkv.shape == qkv_shape
+    if s * b:       # 0 kv heads: the unfused formula runs, and agrees
+        refs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, fused=False)
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out, ref)
+    # The backward launcher alone, from empty gradients.
+    assert triton_rotary_kernel.set_rotary_qkv_kernel(
+        qkv.detach(), freqs, freqs, split, grads=tuple(torch.zeros_like(o) for o in outs)).shape == qkv_shape
+    # In place on an empty tensor: nothing to do, t comes back.
+    t = torch.randn(s, b, kv, 8, device=DEVICE)
+    with torch.no_grad():
+        assert apply_rotary_pos_emb_inplace(t, freqs) is t
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="bug found here, not fixed: the "
+                   "unfused fused-QKV path reshapes q with -1, ambiguous for 0 elements")
+def test_unfused_qkv_without_tokens():
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(torch.randn(0, 2, 2, 32, device=DEVICE), freqs, freqs,
+                                             [16, 8, 8], fused=False)
+    assert q.shape == (0, 2, 4, 8) and k.shape == v.shape == (0, 2, 2, 8)
+
+
+@pytest.mark.sanitize
+def test_freqs_without_rows_give_nan():
+    """A table with 0 rows places no token: NaN in the rotated channels, the rest copied (the
+    old kernel clamped the row to freqs_len - 1 = -1 and read before the table; on a GPU
+    `make sanitize` runs this under compute-sanitizer, which reports such a read)."""
+    torch.manual_seed(31)
+    empty = torch.empty(0, 1, 1, 8, device=DEVICE)
+    cases = [  # (t, kwargs, tokens inside a sequence)
+        (torch.randn(7, 2, 12, device=DEVICE), dict(tensor_format="thd", cu_seqlens=_ints([0, 3, 5])),
+         torch.arange(7, device=DEVICE) < 5),
+        (torch.randn(3, 2, 2, 12, device=DEVICE), dict(positions=_ints([0, 1, 2])), None),
+        (torch.randn(2, 3, 2, 12, device=DEVICE), dict(tensor_format="bshd", positions=_ints([[0, 1, 2], [2, 1, 0]])),
+         None),
+        (torch.randn(4, 2, 12, device=DEVICE), dict(tensor_format="thd", positions=_ints([0, 5, -1, 2])), None),
+    ]
+    for t, kwargs, inside in cases:
+        x = t.clone().requires_grad_(True)
+        out = apply_rotary_pos_emb(x, empty, **kwargs)
+        grad = torch.randn_like(t)
+        (dx,) = torch.autograd.grad(out, x, grad)
+        inside = torch.ones(t.shape[:-2], dtype=torch.bool, device=DEVICE) if inside is None else inside
+        assert out[inside][..., :8].isnan().all() and dx[inside][..., :8].isnan().all()
+        assert torch.equal(out[..., 8:], t[..., 8:]) and torch.equal(dx[..., 8:], grad[..., 8:])
+        # Tokens outside every thd sequence pass through, forward and backward.
+        assert torch.equal(out[~inside], t[~inside]) and torch.equal(dx[~inside], grad[~inside])
+        ref = apply_rotary_pos_emb(t, empty, fused=False, **kwargs)
+        assert torch.equal(out.isnan(), ref.isnan())
+    # Fused QKV with positions: q and k rotated channels NaN, v copied.
+    qkv = torch.randn(3, 2, 2, 32, device=DEVICE)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, empty, empty, [16, 8, 8], positions=_ints([0, 1, 2]))
+    assert q[..., :8].isnan().all() and k[..., :8].isnan().all()
+    assert torch.equal(v, qkv[..., 24:])
+
+
+def test_negative_bit_inputs():
+    """The kernel reads raw memory, so a tensor with the negative bit (a lazily negated view)
+    must be resolved first; the old code read the un-negated values. Each result must equal
+    the same call on the resolved tensor, bit for bit."""
+    torch.manual_seed(32)
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
+    base = torch.randn(4, 2, 3, 12, device=DEVICE)
+    z = torch.complex(torch.randn_like(base), base)
+    for view in (torch._neg_view(base), z.conj().imag):
+        assert view.is_neg()
+        resolved = view.resolve_neg()
+        assert torch.equal(apply_rotary_pos_emb(view, freqs), apply_rotary_pos_emb(resolved, freqs))
+        torch.testing.assert_close(apply_rotary_pos_emb(view, freqs), _reference(resolved, freqs=freqs))
+    # A negative-bit table, start positions and gradient.
+    table = torch._neg_view(-freqs)
+    starts = torch._neg_view(_ints([0, -1]))
+    assert table.is_neg() and starts.is_neg()
+    torch.testing.assert_close(apply_rotary_pos_emb(base, table, start_positions=starts[:2]),
+                               apply_rotary_pos_emb(base, freqs, start_positions=_ints([0, 1])))
+    grad = torch.randn_like(base)
+    x = base.clone().requires_grad_(True)
+    out = apply_rotary_pos_emb(x, freqs)
+    (with_neg,) = torch.autograd.grad(out, x, torch._neg_view(-grad), retain_graph=True)
+    (plain,) = torch.autograd.grad(out, x, grad)
+    assert torch.equal(with_neg, plain)
+    # Fused QKV: packed input and each incoming gradient with the negative bit.
+    packed = torch.randn(4, 2, 2, 32, device=DEVICE)
+    outs = apply_fused_qkv_rotary_pos_emb(torch._neg_view(packed), freqs, freqs * 0.5, [16, 8, 8])
+    for out, ref in zip(outs, apply_fused_qkv_rotary_pos_emb(-packed, freqs, freqs * 0.5, [16, 8, 8])):
+        assert torch.equal(out, ref)
+    x = packed.clone().requires_grad_(True)
+    outs = apply_fused_qkv_rotary_pos_emb(x, freqs, freqs * 0.5, [16, 8, 8])
+    grads = [torch.randn_like(o) for o in outs]
+    (with_neg,) = torch.autograd.grad(outs, x, [torch._neg_view(-g) for g in grads], retain_graph=True)
+    assert torch.equal(with_neg, torch.autograd.grad(outs, x, grads)[0])
+    # In place cannot resolve the bit without a copy: refused, naming t; out= likewise.
+    with pytest.raises(ValueError, match=r"needs t without a negative"):
+        apply_rotary_pos_emb_inplace(torch._neg_view(base.clone()), freqs)
+    with pytest.raises(ValueError, match=r"out must not have the negative bit"):
+        set_rotary_kernel(base, freqs, out=torch._neg_view(torch.empty_like(base)))
+
+
+@pytest.mark.parametrize("path", ["table", "module", "qkv-table", "qkv-module"])
+def test_double_backward_gradgradcheck(path):
+    """The backward is itself differentiable (the old backward was a bare launch, so
+    create_graph=True silently gave a gradient without a graph). float64, tiny shapes: every
+    check runs the kernel through the interpreter."""
+    torch.manual_seed(33)
+    # Arbitrary table angles (pair members differ) check the transpose, not only a rotation.
+    table = torch.randn(4, 1, 1, 8, device=DEVICE) * 3
+    freqs = table if path.endswith("table") else RotaryPositionEmbedding(8, device=DEVICE)
+    if path.startswith("qkv"):
+        x = torch.randn(3, 1, 1, 30, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        k_freqs = table.flip(0) if path.endswith("table") else RotaryPositionEmbedding(8, rotary_base=50.0, device=DEVICE)
+        fn = lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, k_freqs, [10, 10, 10])  # noqa: E731
+    else:
+        x = torch.randn(3, 1, 2, 10, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        fn = lambda x: apply_rotary_pos_emb(x, freqs, start_positions=_ints([1]))  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (x,), fast_mode=True)
+
+
+def test_gradient_penalty():
+    """d/dw of ||dL/dx||^2 (a gradient penalty) through the kernel's double backward equals the
+    unfused formula's, and, for a linear loss, the hand-computed 2 * w * ||c||^2."""
+    torch.manual_seed(34)
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    t = torch.randn(6, 2, 3, 12, dtype=torch.float64, device=DEVICE)
+    c = torch.randn_like(t)
+    w0 = torch.randn(12, dtype=torch.float64, device=DEVICE)
+    results = []
+    for fused in (True, False):
+        w = w0.clone().requires_grad_(True)
+        x = t.clone().requires_grad_(True)
+        y = apply_rotary_pos_emb(x * w, freqs, fused=fused)
+        loss = (y * y * c).sum()                      # not linear: the penalty depends on y
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        (dw,) = torch.autograd.grad(gx.pow(2).sum(), w)
+        results.append(dw)
+    # The kernel's float64 sin/cos against the unfused formula's float32 ones.
+    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-6)
+    # Linear loss <rope(w * x), c>: dL/dx = w * R^T c and R is a rotation (f1 == f2 here), so
+    # ||dL/dx||^2 = w^2 ||c||^2 and its derivative is 2 * w * ||c||^2.
+    w = torch.tensor(0.75, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    x = t.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad((apply_rotary_pos_emb(x * w, freqs) * c).sum(), x, create_graph=True)
+    (dw,) = torch.autograd.grad(gx.pow(2).sum(), w)
+    torch.testing.assert_close(dw, 2 * 0.75 * c.pow(2).sum())
+
+
+def test_positions_past_int32():
+    """Positions past 2^31 - 1 (a stride-0 table with 2^31 + 10 rows, start positions near
+    2^31, a huge cp_size) are computed in int64: the old kernel wrapped them negative (NaN) or
+    read the wrong row. The expanded row holds arbitrary angles, so a wrong channel shows."""
+    torch.manual_seed(35)
+    d2, rows = 8, 2**31 + 10
+    row = torch.randn(1, 1, 1, d2, device=DEVICE) * 3
+    table = row.expand(rows, 1, 1, d2)
+    assert table.stride(0) == 0
+    t = torch.randn(8, 2, 2, 12, dtype=torch.float64, device=DEVICE)
+    short = torch.randn(2, 2, 2, 12, dtype=torch.float64, device=DEVICE)
+    thd = torch.randn(8, 2, 12, dtype=torch.float64, device=DEVICE)
+    i64 = functools.partial(_ints, dtype=torch.int64)
+    cp = 2**28                                     # s * cp_size = 2^31 rows needed
+    cases = [
+        # int32 start positions whose sum with the token index passes 2^31 - 1.
+        (t, dict(start_positions=_ints([2**31 - 3, 5]))),
+        (t, dict(start_positions=i64([2**31 + 1, 2**31 - 8]))),
+        # Rank 0 holds the last chunk: position 2 * cp_size - 1 = 2^31 + 7.
+        (short, dict(cp_size=2**30 + 4, cp_rank=0)),
+        (short, dict(cp_size=2**30 + 4, cp_rank=1)),
+        (t, dict(cp_size=cp, cp_rank=cp - 1)),
+        (t, dict(positions=i64([2**31 + 5, 2**31 + 9, 7, 2**31 - 1, 0, 1, 2**31, 3]))),
+        (thd, dict(tensor_format="thd", cu_seqlens=_ints([0, 3, 8]), start_positions=_ints([2**31 - 4, 2**31 - 2]))),
+        # The thd search compares cu_seqlens with (token + 1) * cp_size = 2^31 here.
+        (thd, dict(tensor_format="thd", cu_seqlens=i64([0, 8 * cp]), cp_size=cp, cp_rank=cp - 1)),
+        (thd, dict(tensor_format="thd", cu_seqlens=_ints([0, 2**31 - 1]), cp_size=cp, cp_rank=3)),
+    ]
+    for x, kwargs in cases:
+        (out, dx), (ref, ref_dx) = _fused_and_unfused(x, table, grad=torch.randn_like(x), **kwargs)
+        assert out.isfinite().all(), kwargs
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(dx, ref_dx, atol=1e-6, rtol=1e-6)
+        # Every token sees the same row: the rotation by that row alone, at position 0..s-1
+        # of an ordinary table; thd tokens past cu_seqlens[-1] // cp_size pass through.
+        single = apply_rotary_pos_emb(x, row.expand(x.shape[0], 1, 1, d2), fused=False,
+                                      tensor_format=kwargs.get("tensor_format", "sbhd"),
+                                      cu_seqlens=_ints([0, x.shape[0]]) if x is thd else None)
+        if x is thd:
+            outside = torch.arange(x.shape[0], device=DEVICE) >= int(kwargs["cu_seqlens"][-1]) // kwargs.get("cp_size", 1)
+            single[outside] = x[outside]
+        torch.testing.assert_close(out, single, atol=1e-6, rtol=1e-6)
+
+
+_QKV_BAD = [  # (how to break the valid call, error, text naming the argument)
+    (lambda a: a.update(qkv=a["qkv"].int()), TypeError, "qkv must be float32"),
+    (lambda a: a.update(qkv=[1.0]), TypeError, "qkv must be a torch.Tensor"),
+    (lambda a: a.update(qkv=a["qkv"][0]), ValueError, "qkv must be 4-D"),
+    (lambda a: a.update(q_freqs=1.0), TypeError, "q_freqs must be a torch.Tensor"),
+    (lambda a: a.update(k_freqs=a["k_freqs"].int()), TypeError, "k_freqs must be a floating-point"),
+    (lambda a: a.update(q_freqs=a["q_freqs"][:, 0]), ValueError, "q_freqs must have shape [s2, 1, 1, d2]"),
+    (lambda a: a.update(k_freqs=a["k_freqs"][:3]), ValueError, "k_freqs has 3 positions"),
+    (lambda a: a.update(k_freqs=a["k_freqs"][..., :7]), ValueError, "k_freqs' last dimension"),
+    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(16, device=DEVICE)(8)), ValueError,
+     "q_freqs' rotary dim d2=16 exceeds qkv's head dim"),
+    (lambda a: a.update(k_freqs=a["k_freqs"].to("meta")), TypeError, "k_freqs is on meta but qkv is on"),
+    (lambda a: a.update(start_positions=_ints([0, 1]).to("meta")), TypeError, "start_positions is on meta but qkv"),
+    (lambda a: a.update(positions=_ints([0, 1, 2, 3]).to("meta")), TypeError, "positions is on meta but qkv"),
+    (lambda a: a.update(positions=_ints([0, 1, 2])), ValueError, "positions must have shape"),
+    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(8, device=DEVICE)), TypeError, "q_freqs and k_freqs must be of one kind"),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("breaker,error,message", _QKV_BAD, ids=[m for _, _, m in _QKV_BAD])
+def test_qkv_errors_name_qkv_arguments(breaker, error, message, fused):
+    """Errors of apply_fused_qkv_rotary_pos_emb name its own arguments (the old ones said
+    't' and 'freqs', which the caller never passed)."""
+    args = dict(qkv=torch.randn(4, 2, 2, 32, device=DEVICE), q_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8),
+                k_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8) * 0.5, qkv_split_arg_list=[16, 8, 8])
+    breaker(args)
+    with pytest.raises(error, match=re.escape(message)) as info:
+        apply_fused_qkv_rotary_pos_emb(fused=fused, **args)
+    assert not re.search(r"(?<![\w'])t(?![\w'])|\bfreqs\b", str(info.value)), str(info.value)
+
+
+def test_qkv_error_without_interpreter_names_qkv(monkeypatch):
+    monkeypatch.setattr(triton_rotary_kernel, "_interpreting", lambda: False)
+    freqs = RotaryPositionEmbedding(8, device="cpu")(8)
+    with pytest.raises(TypeError, match=r"^qkv is on cpu: the Triton kernel needs a CUDA tensor"):
+        apply_fused_qkv_rotary_pos_emb(torch.randn(4, 2, 2, 32), freqs, freqs, [16, 8, 8])
+
+
+def test_plan_cache_keeps_validation():
+    """A cached launch plan must not let through what the checks reject: 16.0 == 16, True == 1
+    and 1 == True hash alike, so the old key (values without types) matched the valid call's."""
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
+    qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
+    apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [16, 8, 8])            # plans the valid call
+    for bad in ([16.0, 8.0, 8.0], [16, 8, True], [16, 8.0, 8], (16, 8, True)):
+        with pytest.raises(ValueError, match="qkv_split_arg_list must be three positive ints"):
+            apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, bad)
+    # interleaved and cp arguments, through the launchers (the public entry points check
+    # interleaved before any plan, so only the launchers show what the plan cache does).
+    t = torch.randn(4, 2, 3, 8, device=DEVICE)
+    set_rotary_kernel(t, freqs, interleaved=True)
+    set_rotary_kernel(t, freqs, cp_size=1, cp_rank=0)
+    triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], interleaved=True)
+    for kwargs, match in ((dict(interleaved=1), "interleaved must be a bool"),
+                          (dict(cp_size=True), "cp_size must be an int"),
+                          (dict(cp_size=1.0), "cp_size must be an int"),
+                          (dict(cp_rank=False), "cp_rank must be an int"),
+                          (dict(cp_rank=0.0), "cp_rank must be an int")):
+        with pytest.raises(TypeError, match=match):
+            set_rotary_kernel(t, freqs, **kwargs)
+        with pytest.raises(TypeError, match=match):
+            triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], **kwargs)
+        with pytest.raises(TypeError, match=match):
+            apply_rotary_pos_emb(t, freqs, **kwargs)
+
+
+def test_launch_rule_changes_make_new_plans(monkeypatch):
+    """test_other_launch_configs changes the launch-rule constants and expects new tiles: the
+    plan key must include them. Count launch_config calls: every constant change plans anew
+    (and a repeated call does not), and the new tile shapes still give the right result."""
+    monkeypatch.setattr(triton_rotary_kernel, "_PLANS", {})          # no plans from other tests
+    calls = []
+    original = triton_rotary_kernel.launch_config
+
+    def counting(*args, **kwargs):
+        grid, meta = original(*args, **kwargs)
+        calls.append((grid, dict(meta)))
+        return grid, meta
+
+    monkeypatch.setattr(triton_rotary_kernel, "launch_config", counting)
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(4)
+    t = torch.randn(4, 2, 2, 24, device=DEVICE)
+    expected = apply_rotary_pos_emb(t, freqs, fused=False)
+
+    def call():
+        torch.testing.assert_close(apply_rotary_pos_emb(t, freqs), expected)
+
+    call()
+    call()
+    assert len(calls) == 1
+    changes = ([("INTERPRETER_TILE_ELEMENTS", 32), ("INTERPRETER_TILE_ELEMENTS", 64),
+                ("INTERPRETER_MIN_PROGRAMS", 1000)] if not ON_GPU else
+               [("MIN_TILE_ELEMENTS", 32), ("MAX_TILE_ELEMENTS", 32), ("MIN_PROGRAMS_PER_SM", 1000)])
+    changes += [("NUM_WARPS", 1), ("MIN_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 64),
+                ("MAX_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7),
+                ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 3)]
+    for number, (name, value) in enumerate(changes, start=2):
+        monkeypatch.setattr(triton_rotary_kernel, name, value)
+        call()
+        call()
+        assert len(calls) == number, (name, value)
+    if not ON_GPU:
+        # The interpreter's constants changed the tiles themselves, not only the key (on a GPU
+        # a shape this small is shrunk to one-token tiles by the SM count already).
+        first_tiles = {(c[0], c[1]["BLOCK_T"], c[1]["BLOCK_H"]) for c in calls[:4]}
+        assert len(first_tiles) == 4, calls[:4]
+
+
+def test_torch_compile_fused_qkv_and_inplace():
+    """fullgraph=True (no graph break) through the fused-QKV op, forward and backward, and
+    through the in-place op under no_grad; the same values as eager."""
+    torch.manual_seed(36)
+    q_freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    k_freqs = q_freqs * 0.5
+
+    def step(x):
+        q, k, v = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [16, 8, 8])
+        return (q * 2).sum(dim=-1), k - 1, v * 3
+
+    compiled = torch.compile(step, fullgraph=True)
+    qkv = torch.randn(6, 2, 2, 32, device=DEVICE)
+    x1, x2 = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
+    outs, refs = compiled(x1), step(x2)
+    grads = [torch.randn_like(o) for o in refs]
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(outs, x1, grads)[0], torch.autograd.grad(refs, x2, grads)[0])
+
+    def rotate_in_place(x):
+        apply_rotary_pos_emb_inplace(x[..., :8], q_freqs)
+        return x * 2
+
+    compiled_inplace = torch.compile(rotate_in_place, fullgraph=True)
+    t = torch.randn(6, 2, 3, 12, device=DEVICE)
+    expected = torch.cat((apply_rotary_pos_emb(t[..., :8], q_freqs, fused=False), t[..., 8:]), dim=-1)
+    with torch.no_grad():
+        x = t.clone()
+        result = compiled_inplace(x)
+    torch.testing.assert_close(x, expected)                    # mutated through the view
+    torch.testing.assert_close(result, expected * 2)
+
+
+def _opcheck_cases():
+    """(op, args) for each custom op, with the argument lists _rope_launch / _qkv_launch use."""
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(4)[:, :, :, :].float()
+    module = RotaryPositionEmbedding(8, device=DEVICE)
+    t = torch.randn(4, 2, 2, 10, device=DEVICE)
+    table = (freqs, None, False, 1, 1.0)
+    angles = (module.inv_freq, None, True, 1, 1.0)
+    ops = torch.ops.triton_rotary
+    qkv = torch.randn(4, 2, 1, 30, device=DEVICE)
+    grads = (torch.randn(4, 2, 1, 10, device=DEVICE),) * 2 + (torch.randn(4, 2, 1, 10, device=DEVICE),)
+    return [
+        ("rope table", ops.rope.default, (t, *table, "sbhd", None, False, None, 1, 0, None, False)),
+        ("rope module backward", ops.rope.default,
+         (t, *angles, "bshd", None, False, None, 1, 0, _ints([[3, 1], [0, 2], [1, 1], [5, 0]]), True)),
+        ("rope thd", ops.rope.default,
+         (t[:, 0], *table, "thd", None, True, _ints([0, 1, 4]), 1, 0, None, False)),
+        ("rope_ table", ops.rope_.default, (t.clone(), *table, "sbhd", _ints([0, 0]), False, None, 1, 0, None)),
+        ("rope_ module", ops.rope_.default, (t.clone(), *angles, "sbhd", None, False, None, 2, 1, None)),
+        ("qkv_rope table", ops.qkv_rope.default,
+         (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None)),
+        ("qkv_rope module", ops.qkv_rope.default,
+         (qkv, module.inv_freq, None, module.inv_freq, None, True, 1, 1.0, 0.5, [10, 10, 10], "bshd", _ints([1, 0, 2, 3]),
+          False, 1, 0, None)),
+        ("qkv_rope_backward", ops.qkv_rope_backward.default,
+         (*grads, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0, None)),
+    ]
+
+
+_OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd", "rope_ table", "rope_ module",
+                  "qkv_rope table", "qkv_rope module", "qkv_rope_backward")
+
+
+@pytest.mark.parametrize("name", _OPCHECK_NAMES)
+def test_opcheck_custom_ops(name):
+    """torch.library.opcheck: schema (mutation declared for rope_ only), fake kernels that
+    agree with the real ones in shape, strides and dtype, and AOT dispatch."""
+    cases = {case_name: (op, args) for case_name, op, args in _opcheck_cases()}
+    assert set(cases) == set(_OPCHECK_NAMES)
+    op, args = cases[name]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.xfail(strict=True, reason="bug found by the fuzzer, not fixed: the unfused path's "
+                   "torch.where pass-through multiplies the NaN angles of out-of-table positions "
+                   "by a zero gradient, so thd tokens outside every sequence get a NaN gradient")
+def test_unfused_thd_pass_through_gradient():
+    """Documented: thd tokens outside every sequence pass through, forward and backward. The
+    kernel does; fused=False gives NaN gradients where such a token's would-be position is
+    outside the table."""
+    cu = _ints([0, 2])
+    t = torch.randn(9, 1, 8, device=DEVICE, requires_grad=True)
+    out = apply_rotary_pos_emb(t, RotaryPositionEmbedding(8, device=DEVICE)(3), "thd", cu_seqlens=cu, fused=False)
+    grad = torch.randn_like(out)
+    (dt,) = torch.autograd.grad(out, t, grad)
+    assert torch.equal(dt[2:], grad[2:])
+
+
+@pytest.mark.xfail(strict=True, reason="bug found here, not fixed: set_rotary_kernel does not check "
+                   "out's shape, and writes past the end of a smaller out")
+def test_out_of_another_shape_is_rejected():
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    t = torch.randn(4, 2, 3, 8, device=DEVICE)
+    buffer = torch.zeros(t.numel(), device=DEVICE)     # the writes past out stay inside it
+    out = buffer[: t.numel() // 2].view(2, 2, 3, 8)
+    with pytest.raises(ValueError, match="out"):
+        set_rotary_kernel(t, freqs, out=out)
+
+
+# --- the fuzzer ---------------------------------------------------------------------------------
+# Hypothesis draws calls, deterministically (derandomize=True, no example database), and each
+# is checked against the unfused formula on float64 copies of the same values, NaN where the
+# contract says NaN. ROPE_FUZZ_EXAMPLES sets the examples per fuzz test (100 by default).
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:       # the fuzz tests skip, saying so
+    st = None
+
+_FUZZ_EXAMPLES = int(os.environ.get("ROPE_FUZZ_EXAMPLES", "100"))
+_FUZZ_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FUZZ_SCALINGS = (None, {"rope_type": "linear", "factor": 2.0},
+                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+_LAYOUTS = ("contiguous", "transposed", "sliced", "offset", "expanded", "negative")
+
+
+def _composite(strategy):
+    return st.composite(strategy) if st is not None else strategy
+
+
+def _fuzz(strategy):
+    """given(call=strategy(), data=st.data()) with the deterministic settings, or a test that
+    skips when hypothesis is missing."""
+    def wrap(test):
+        if st is None:
+            def skipped():
+                pytest.skip("hypothesis is not installed (pip install hypothesis)")
+            skipped.__name__, skipped.__doc__ = test.__name__, test.__doc__
+            return skipped
+        return settings(derandomize=True, max_examples=_FUZZ_EXAMPLES, deadline=None, database=None,
+                        suppress_health_check=list(HealthCheck))(given(call=strategy(), data=st.data())(test))
+    return wrap
+
+
+def _values(gen, shape, dtype):
+    return torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _laid_out(draw, gen, shape, dtype, kinds=_LAYOUTS):
+    """A tensor of `shape` with a drawn memory layout: contiguous, two dims transposed, a slice
+    (stride 2 in the last dim), a 1-element storage offset, stride 0 along a dim (expanded),
+    or the negative bit."""
+    kind = draw(st.sampled_from(kinds))
+    n = len(shape)
+    if kind == "transposed":
+        i, j = draw(st.sampled_from([(a, b) for a in range(n) for b in range(a + 1, n)]))
+        swapped = list(shape)
+        swapped[i], swapped[j] = swapped[j], swapped[i]
+        return _values(gen, swapped, dtype).transpose(i, j)
+    if kind == "sliced":
+        return _values(gen, (*shape[:-1], 2 * shape[-1]), dtype)[..., ::2]
+    if kind == "offset":
+        return _values(gen, (math.prod(shape) + 1,), dtype)[1:].view(shape)
+    if kind == "expanded":
+        one = list(shape)
+        one[draw(st.integers(0, n - 1))] = 1
+        return _values(gen, one, dtype).expand(shape)
+    if kind == "negative":
+        return torch._neg_view(_values(gen, shape, dtype))
+    return _values(gen, shape, dtype)
+
+
+def _index(draw, values, shape=None):
+    """int32/int64 tensor of `values`: contiguous, strided, or with the negative bit."""
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    x = torch.tensor(values, dtype=dtype, device=DEVICE)
+    if shape is not None:
+        x = x.view(shape)
+    kind = draw(st.sampled_from(["contiguous", "strided", "negative"]))
+    if kind == "strided":
+        x = torch.stack((x, torch.full_like(x, -7)), dim=-1)[..., 0]
+    elif kind == "negative":
+        x = torch._neg_view(-x)
+    return x
+
+
+def _fuzz_angles(draw, gen, kind, d2, interleaved, rows, base=10000.0):
+    """A table (module-built or arbitrary angles; strided, expanded, float64, bfloat16 or
+    negative-bit) or a module (rope scalings, M-RoPE sections)."""
+    if kind == "table":
+        if draw(st.booleans()):
+            table = RotaryPositionEmbedding(d2, interleaved=interleaved, rotary_base=base, device=DEVICE)(rows)
+        else:
+            table = torch.randn(rows, 1, 1, d2, generator=gen).to(DEVICE) * 3
+        layout = draw(st.sampled_from(["contiguous", "strided", "expanded", "float64", "bfloat16", "negative"]))
+        if layout == "strided":
+            wide = torch.zeros(rows, 1, 1, 2 * d2, device=DEVICE)
+            wide[..., ::2] = table
+            table = wide[..., ::2]
+        elif layout == "expanded" and rows:
+            table = table[:1].expand(rows, 1, 1, d2)
+        elif layout == "negative":
+            table = torch._neg_view(-table)
+        elif layout in ("float64", "bfloat16"):
+            table = table.to(getattr(torch, layout))
+        return table
+    section, mrope_interleaved = None, False
+    if kind == "mrope":
+        first = draw(st.integers(0, d2 // 2))
+        second = draw(st.integers(0, d2 // 2 - first))
+        section = [first, second, d2 // 2 - first - second]
+        mrope_interleaved = draw(st.booleans())
+    return RotaryPositionEmbedding(d2, interleaved=interleaved, rotary_base=base, device=DEVICE,
+                                   rope_scaling=draw(st.sampled_from(_FUZZ_SCALINGS)),
+                                   mrope_section=section, mrope_interleaved=mrope_interleaved)
+
+
+def _fuzz_positions(draw, kind, shape, rows):
+    """Per-token positions of `shape` (with a leading axis dim for M-RoPE): for a table some
+    fall outside it (NaN by contract); for a module any integer of moderate size (angles stay
+    below the kernel's 2^24 reduction range)."""
+    values = st.integers(-2, rows + 2) if kind == "table" else st.integers(-300, 4000)
+    if kind == "mrope":
+        shape = (3, *shape)
+    numel = math.prod(shape)
+    return _index(draw, draw(st.lists(values, min_size=numel, max_size=numel)), shape)
+
+
+@_composite
+def _rope_calls(draw):
+    """(t, freqs, kwargs, grad, in_seq, d2) for apply_rotary_pos_emb; in_seq marks the thd
+    tokens inside a sequence (None: every token)."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    fmt = draw(st.sampled_from(["sbhd", "bshd", "thd"]))
+    dtype = draw(st.sampled_from(_FUZZ_DTYPES))
+    interleaved = draw(st.booleans())
+    d = draw(st.integers(2, 20))
+    d2 = 2 * draw(st.integers(1, d // 2))
+    h = draw(st.integers(0, 3))
+    kind = draw(st.sampled_from(["table", "module", "mrope"]))
+    cp_size = draw(st.sampled_from([1, 1, 2, 3]))
+    cp_rank = draw(st.integers(0, cp_size - 1))
+    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
+    in_seq = None
+    if fmt == "thd":
+        tokens = draw(st.integers(0, 10))
+        shape = (tokens, h, d)
+        rows = draw(st.integers(0, 12))
+        if cp_size == 1 and draw(st.booleans()):
+            kwargs["positions"] = _fuzz_positions(draw, kind, (tokens,), rows)
+        else:
+            # Sorted global offsets: empty sequences, a first one after 0, ends past the tokens.
+            cu = sorted(draw(st.lists(st.integers(0, (tokens + 3) * cp_size), min_size=2, max_size=5)))
+            kwargs["cu_seqlens"] = _index(draw, cu)
+            in_seq = torch.zeros(tokens, dtype=torch.bool, device=DEVICE)
+            for start, end in zip(cu[:-1], cu[1:]):
+                in_seq[start // cp_size:end // cp_size] = True
+            if cp_size == 1 and draw(st.booleans()):
+                starts = draw(st.lists(st.integers(-1, 4), min_size=len(cu) - 1, max_size=len(cu) - 1))
+                kwargs["start_positions"] = _index(draw, starts)
+    else:
+        s = 2 * draw(st.integers(0, 3)) if cp_size > 1 else draw(st.integers(0, 6))
+        b = draw(st.integers(0, 3))
+        shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
+        rows = s * cp_size + draw(st.integers(0, 4))
+        extra = draw(st.sampled_from(["none", "start", "positions", "batch positions"])) if cp_size == 1 else "none"
+        if extra == "start":
+            kwargs["start_positions"] = _index(draw, draw(st.lists(st.integers(-1, 4), min_size=b, max_size=b)))
+        elif extra != "none":
+            kwargs["positions"] = _fuzz_positions(draw, kind, (s,) if extra == "positions" else (b, s), rows)
+    freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows)
+    return _laid_out(draw, gen, shape, dtype), freqs, kwargs, _laid_out(draw, gen, shape, dtype), in_seq, d2
+
+
+def _fuzz_reference(t, freqs, kwargs, grad, in_seq):
+    """Output and input gradient of the unfused formula on float64 copies of the values, with
+    the documented pass-through gradient for thd tokens outside every sequence (the unfused
+    path's own is NaN there: test_unfused_thd_pass_through_gradient)."""
+    x = t.resolve_neg().double().requires_grad_(True)
+    out = apply_rotary_pos_emb(x, freqs, fused=False, **kwargs)
+    (dx,) = torch.autograd.grad(out, x, grad.resolve_neg().double())
+    if in_seq is not None:
+        dx[~in_seq] = grad.resolve_neg()[~in_seq].double()
+    return out.detach(), dx
+
+
+def _assert_fuzz_close(actual, expected, what):
+    assert actual.shape == expected.shape, what
+    expected = expected.to(actual.dtype)
+    # float64 runs compare float64 sin/cos with the reference's float32 ones.
+    tol = dict(atol=1e-6, rtol=1e-6) if actual.dtype == torch.float64 else {}
+    torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{what}: {m}", **tol)
+
+
+def _poisoned_view(draw, shape, dtype):
+    """(buffer, out, inside): out a view of `shape` inside a larger buffer (padding around it,
+    dims stored in a drawn order), out filled with NaN (each element must be written) and the
+    rest of the buffer with a sentinel (none of it may be); inside marks out in the buffer."""
+    n = len(shape)
+    pads = [draw(st.integers(0, 2)) for _ in shape]
+    offsets = [draw(st.integers(0, p)) for p in pads]
+    order = list(draw(st.permutations(range(n))))
+    window = tuple(slice(o, o + k) for o, k in zip(offsets, shape))
+
+    def make(fill, dtype):
+        stored = torch.full([shape[i] + pads[i] for i in order], fill, dtype=dtype, device=DEVICE)
+        return stored.permute(*[order.index(i) for i in range(n)])
+
+    buffer, inside = make(7.0, dtype), make(False, torch.bool)
+    inside[window] = True
+    out = buffer[window]
+    out.fill_(float("nan"))
+    return buffer, out, inside
+
+
+@_fuzz(_rope_calls)
+def test_fuzz_rope(call, data):
+    """apply_rotary_pos_emb forward and backward through autograd, then the launcher writing
+    into a poisoned out view (forward or backward, drawn): every element written, nothing
+    around it touched."""
+    t, freqs, kwargs, grad, in_seq, _ = call
+    ref_out, ref_dx = _fuzz_reference(t, freqs, kwargs, grad, in_seq)
+    x = t.detach().requires_grad_(True)
+    out = apply_rotary_pos_emb(x, freqs, **kwargs)
+    assert out.is_contiguous() and out.dtype == t.dtype
+    _assert_fuzz_close(out.detach(), ref_out, "forward")
+    (dx,) = torch.autograd.grad(out, x, grad)
+    _assert_fuzz_close(dx, ref_dx, "backward")
+    backward = data.draw(st.booleans())
+    buffer, target, inside = _poisoned_view(data.draw, t.shape, t.dtype)
+    around = buffer.clone()
+    result = set_rotary_kernel(grad if backward else t, freqs, backward=backward, out=target, **kwargs)
+    assert result is target
+    _assert_fuzz_close(target, ref_dx if backward else ref_out, "out= (backward)" if backward else "out=")
+    assert torch.equal(buffer[~inside], around[~inside]), "written outside out"
+
+
+@_fuzz(_rope_calls)
+def test_fuzz_rope_inplace(call, data):
+    """apply_rotary_pos_emb_inplace on a view inside a larger buffer (transposed, sliced or
+    offset storage): its first d2 channels rotated, everything else in the buffer untouched."""
+    t, freqs, kwargs, _, _, d2 = call
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    # A view that does not overlap itself and has no negative bit (both refused in place).
+    view = _laid_out(data.draw, gen, t.shape, t.dtype, ("contiguous", "transposed", "sliced", "offset"))
+    base = view._base if view._base is not None else view
+    before, start = base.clone(), view.clone()
+    expected = apply_rotary_pos_emb(start.double(), freqs, fused=False, **kwargs)
+    with torch.no_grad():
+        assert apply_rotary_pos_emb_inplace(view, freqs, **kwargs) is view
+    _assert_fuzz_close(view[..., :d2], expected[..., :d2], "rotated channels")
+    assert torch.equal(view[..., d2:], start[..., d2:]), "channels past d2 changed"
+    # Everything of the storage outside the view: compare through a marker copy.
+    marker = torch.zeros_like(base, dtype=torch.bool)
+    marker.as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset()).fill_(True)
+    assert torch.equal(base[~marker], before[~marker]), "written outside the view"
+
+
+@_composite
+def _qkv_calls(draw):
+    """(qkv, q_freqs, k_freqs, split, kwargs, grads) for apply_fused_qkv_rotary_pos_emb."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    fmt = draw(st.sampled_from(["sbhd", "bshd"]))
+    dtype = draw(st.sampled_from(_FUZZ_DTYPES))
+    interleaved = draw(st.booleans())
+    d = draw(st.integers(2, 14))
+    d2 = 2 * draw(st.integers(1, d // 2))
+    split = [d * draw(st.integers(1, 3)), d, draw(st.integers(1, 12))]
+    kv_heads = draw(st.integers(0, 3))
+    kind = draw(st.sampled_from(["table", "module", "mrope"]))
+    cp_size = draw(st.sampled_from([1, 1, 2, 4]))
+    cp_rank = draw(st.integers(0, cp_size - 1))
+    s = 2 * draw(st.integers(0, 3)) if cp_size > 1 else draw(st.integers(0, 6))
+    b = draw(st.integers(0, 3))
+    rows = s * cp_size + draw(st.integers(0, 4))
+    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
+    extra = draw(st.sampled_from(["none", "start", "positions", "batch positions"])) if cp_size == 1 else "none"
+    if extra == "start":
+        kwargs["start_positions"] = _index(draw, draw(st.lists(st.integers(-1, 4), min_size=b, max_size=b)))
+    elif extra != "none":
+        kwargs["positions"] = _fuzz_positions(draw, kind, (s,) if extra == "positions" else (b, s), rows)
+    # Distinct q and k angles, so a mix-up shows; both of one kind (as required).
+    q_freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows)
+    k_freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows, base=500.0)
+    if kind == "mrope" and q_freqs.n_axes != k_freqs.n_axes:
+        k_freqs = q_freqs
+    lead = (s, b) if fmt == "sbhd" else (b, s)
+    qkv = _laid_out(draw, gen, (*lead, kv_heads, sum(split)), dtype)
+    shapes = [(*lead, kv_heads * split[0] // d, d), (*lead, kv_heads, d), (*lead, kv_heads, split[2])]
+    grads = [_laid_out(draw, gen, shp, dtype) for shp in shapes]
+    return qkv, q_freqs, k_freqs, split, kwargs, grads
+
+
+@_fuzz(_qkv_calls)
+def test_fuzz_qkv(call, data):
+    """apply_fused_qkv_rotary_pos_emb forward and packed gradient against the unfused formula
+    on float64 copies."""
+    qkv, q_freqs, k_freqs, split, kwargs, grads = call
+    x64 = qkv.resolve_neg().double().requires_grad_(True)
+    if qkv.shape[0] * qkv.shape[1]:
+        refs = apply_fused_qkv_rotary_pos_emb(x64, q_freqs, k_freqs, split, fused=False, **kwargs)
+        (ref_dx,) = torch.autograd.grad(refs, x64, [g.resolve_neg().double() for g in grads])
+    else:           # no tokens: empty results (the unfused path fails, test_unfused_qkv_without_tokens)
+        refs, ref_dx = [torch.zeros(g.shape, dtype=torch.float64, device=DEVICE) for g in grads], torch.zeros_like(x64)
+    x = qkv.detach().requires_grad_(True)
+    outs = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, split, **kwargs)
+    for name, out, ref in zip("qkv", outs, refs):
+        assert out.is_contiguous() and out.dtype == qkv.dtype
+        _assert_fuzz_close(out.detach(), ref.detach(), name)
+    (dx,) = torch.autograd.grad(outs, x, grads)
+    _assert_fuzz_close(dx, ref_dx, "packed gradient")
+
+
 def _cp_split(x, cu_seqlens, cp_size, rank, dim=0):
     """Rank `rank`'s tokens under TE's load-balanced split: each sequence (the whole dim for
     sbhd, each cu_seqlens span for thd) is cut into 2*cp_size chunks and the rank keeps chunks
