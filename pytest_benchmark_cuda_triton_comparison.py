@@ -1126,8 +1126,6 @@ def test_zero_size_fused_qkv_and_inplace(qkv_shape, angles):
         assert apply_rotary_pos_emb_inplace(t, freqs) is t
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="bug found here, not fixed: the "
-                   "unfused fused-QKV path reshapes q with -1, ambiguous for 0 elements")
 def test_unfused_qkv_without_tokens():
     freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
     q, k, v = apply_fused_qkv_rotary_pos_emb(torch.randn(0, 2, 2, 32, device=DEVICE), freqs, freqs,
@@ -1487,9 +1485,6 @@ def test_opcheck_custom_ops(name):
     torch.library.opcheck(op, args)
 
 
-@pytest.mark.xfail(strict=True, reason="bug found by the fuzzer, not fixed: the unfused path's "
-                   "torch.where pass-through multiplies the NaN angles of out-of-table positions "
-                   "by a zero gradient, so thd tokens outside every sequence get a NaN gradient")
 def test_unfused_thd_pass_through_gradient():
     """Documented: thd tokens outside every sequence pass through, forward and backward. The
     kernel does; fused=False gives NaN gradients where such a token's would-be position is
@@ -1502,8 +1497,6 @@ def test_unfused_thd_pass_through_gradient():
     assert torch.equal(dt[2:], grad[2:])
 
 
-@pytest.mark.xfail(strict=True, reason="bug found here, not fixed: set_rotary_kernel does not check "
-                   "out's shape, and writes past the end of a smaller out")
 def test_out_of_another_shape_is_rejected():
     freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
     t = torch.randn(4, 2, 3, 8, device=DEVICE)

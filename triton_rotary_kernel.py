@@ -946,6 +946,14 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     if in_place and _overlaps_itself(t):
         raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
                          "expanded tensor)")
+    if out is not None and not in_place:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.shape != t.shape or out.dtype != t.dtype or out.device != t.device:
+            raise ValueError(f"out must have t's shape {tuple(t.shape)}, dtype {t.dtype} and "
+                             f"device {t.device}, got {tuple(out.shape)} {out.dtype} {out.device}")
+        if _overlaps_itself(out):
+            raise ValueError("out must not overlap itself in memory")
     if t.numel() == 0:
         return _Plan(None)
     x_strides = _token_strides(t, tensor_format)

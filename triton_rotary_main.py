@@ -550,17 +550,20 @@ def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seql
             pair_angles = pair_pos * inv_freq
         else:
             pair_angles = pos[..., None].double() * inv_freq
-        angles = _pair_angles_to_channels(pair_angles, interleaved)
-        cos = (torch.cos(angles).float() * source.scale).to(t.dtype)[..., None, :]
-        sin = (torch.sin(angles).float() * source.scale).to(t.dtype)[..., None, :]
+        angles = _pair_angles_to_channels(pair_angles, interleaved)            # float64
     else:
         table = source.angles[:, 0, 0, :]                                  # [s2, d2]
         pos_ok = (pos >= 0) & (pos < table.shape[0])
         angles = table[pos.clamp(0, max(table.shape[0] - 1, 0))] if table.shape[0] else \
             torch.zeros(*pos.shape, table.shape[1], device=t.device)
         angles = torch.where(pos_ok[..., None], angles, float("nan"))
-        cos = torch.cos(angles).to(t.dtype)[..., None, :]                  # broadcast over heads
-        sin = torch.sin(angles).to(t.dtype)[..., None, :]
+    if tensor_format == "thd":
+        # Tokens outside every sequence pass through: a finite stand-in angle keeps their
+        # (unselected) rotation's NaN out of the gradient of the torch.where below.
+        angles = torch.where(in_seq[:, None], angles, 0.0)
+    # cos/sin rounded to float32 (the module's scaled), then to t's dtype, as TE's formula.
+    cos = (torch.cos(angles).float() * source.scale).to(t.dtype)[..., None, :]  # over heads
+    sin = (torch.sin(angles).float() * source.scale).to(t.dtype)[..., None, :]
     rot, rest = t[..., :shape.rotary_dim], t[..., shape.rotary_dim:]
     rotated = rot * cos + _rotate_half(rot, interleaved) * sin
     if tensor_format == "thd":
@@ -768,7 +771,8 @@ def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start
     check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
                    cp_size, cp_rank, interleaved, positions, need_kernel=False)
     q, k, v = torch.split(qkv, list(qkv_split_arg_list), dim=-1)
-    q = q.reshape(*q.shape[:2], -1, qkv_split_arg_list[1])
+    q = q.unflatten(-1, (qkv_split_arg_list[0] // qkv_split_arg_list[1], qkv_split_arg_list[1])
+                    ).flatten(2, 3)
     rope = lambda x, f: _unfused_rope(x, f, tensor_format, start_positions, interleaved, None,  # noqa: E731
                                       cp_size, cp_rank, positions)
     return rope(q, q_freqs), rope(k, k_freqs), v.contiguous()
