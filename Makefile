@@ -85,7 +85,7 @@ run:
 
 # Prints the interpreter to use locally, making or completing .venv only when the current one
 # lacks what the tests import.
-TEST_IMPORTS = torch, triton, pytest, hypothesis, transformers
+TEST_IMPORTS = torch, triton, pytest, xdist, hypothesis, transformers
 local-python:
 	@if $(PYTHON) -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
 	  echo $(PYTHON); \

@@ -933,6 +933,20 @@ def test_repeated_calls_and_misaligned_views():
         _compare_qkv(qkv, freqs, freqs, split)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter launches through Triton's JIT only")
+def test_launches_after_the_first_use_the_compiled_kernels_runner():
+    """After a plan's first launch, later calls go through CompiledKernel.__getitem__'s runner
+    (the fast path), and their results equal the first call's."""
+    torch.manual_seed(23)
+    t = torch.randn(9, 2, 3, 32, device=DEVICE)
+    freqs = RotaryPositionEmbedding(32, device=DEVICE)(9)
+    first = set_rotary_kernel(t, freqs)
+    plans = [p for p in triton_rotary_kernel._PLANS.values() if p.launch is not None
+             and p.launch.fn is triton_rotary_kernel.rotary_kernel and p.launch.runners]
+    assert plans, "no plan holds a runner: every launch went through Triton's JIT"
+    assert torch.equal(set_rotary_kernel(t, freqs), first)
+
+
 def test_result_does_not_depend_on_batch():
     """A token's output is bit-identical whether it is rotated alone or inside a large batch,
     although the two calls get different tiles and grids."""
@@ -1495,6 +1509,43 @@ def test_unfused_thd_pass_through_gradient():
     grad = torch.randn_like(out)
     (dt,) = torch.autograd.grad(out, t, grad)
     assert torch.equal(dt[2:], grad[2:])
+
+
+class _DuckRope:
+    """Anything with a RotaryPositionEmbedding's attributes is taken as one."""
+    def __init__(self, inv_freq, n_axes=1, pair_axis=None, interleaved=False):
+        self.inv_freq, self.n_axes, self.pair_axis = inv_freq, n_axes, pair_axis
+        self.interleaved, self.attention_scaling = interleaved, 1.0
+
+
+def test_duck_typed_modules_are_checked():
+    """A module's own fields are input too: a missing pair_axis is named, an axis outside
+    [0, n_axes) gives NaN (never a read outside positions), a negative-bit inv_freq is read
+    with its sign."""
+    inv = RotaryPositionEmbedding(8, device=DEVICE).inv_freq
+    t = torch.randn(5, 2, 3, 8, device=DEVICE)
+    pos = torch.randint(0, 50, (3, 5), device=DEVICE)
+    with pytest.raises(TypeError, match="pair_axis"):
+        apply_rotary_pos_emb(t, _DuckRope(inv, n_axes=3), positions=pos)
+    bad_axis = torch.tensor([0, 1, 7, -1], dtype=torch.int32, device=DEVICE)
+    out = apply_rotary_pos_emb(t, _DuckRope(inv, 3, bad_axis), positions=pos)
+    assert out[..., [2, 3, 6, 7]].isnan().all() and out[..., [0, 1, 4, 5]].isfinite().all()
+    neg = torch._neg_view(-inv)
+    torch.testing.assert_close(apply_rotary_pos_emb(t, _DuckRope(neg)),
+                               apply_rotary_pos_emb(t, _DuckRope(inv)))
+
+
+def test_qkv_backward_grads_and_overlapping_out_are_rejected():
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
+    dq, dk = torch.randn(4, 2, 4, 8, device=DEVICE), torch.randn(4, 2, 2, 8, device=DEVICE)
+    with pytest.raises(TypeError, match="dq, dk, dv"):
+        triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], grads=(dq, dk))
+    buffer = torch.randn(2 * 4 * 2 * 3 * 8, device=DEVICE)
+    t = buffer[: 4 * 2 * 3 * 8].view(4, 2, 3, 8)
+    out = buffer[8: 8 + 4 * 2 * 3 * 8].view(4, 2, 3, 8)       # overlaps t, shifted by a head
+    with pytest.raises(ValueError, match="share memory with t"):
+        set_rotary_kernel(t, freqs, out=out)
 
 
 def test_out_of_another_shape_is_rejected():
@@ -2535,7 +2586,6 @@ def test_more_than_2_pow_31_elements():
 # Benchmarks: python pytest_benchmark_cuda_triton_comparison.py [--sweeps a,b] [--dtypes bf16]
 # ---------------------------------------------------------------------------------------------
 
-import itertools  # noqa: E402
 from typing import Callable, NamedTuple  # noqa: E402
 
 from triton_rotary_kernel import set_rotary_qkv_kernel  # noqa: E402

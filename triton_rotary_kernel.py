@@ -31,6 +31,7 @@ float64 inputs, so that `gradcheck` can run through the kernel).
 
 import functools
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -57,7 +58,7 @@ _TWO_OVER_PI = tl.constexpr(0.6366197466850281)
 # Angles the float32 reduction takes: |angle| < 2^24, so that |k| < 2^24 and |lo| <= 1/2 (i.e.
 # positions below 2^24 at the fastest frequency, 1 rad per token). Larger angles give NaN
 # (`_sincos_or_nan`), like positions outside a table: a precise fallback behind a per-tile
-# branch cost up to a fifth of the bandwidth at small tiles.
+# branch fenced the tile's arithmetic and cost bandwidth at small tiles (README, Results).
 _FAST_REDUCTION_LIMIT = tl.constexpr(16777216.0)
 
 
@@ -106,11 +107,11 @@ def _sincos_or_nan(hi, lo):
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "cp_size", "cp_rank",
-                               "freqs_len", "angle_scale"])
+                               "freqs_len", "angle_scale", "n_axes"])
 def rotary_kernel(
     OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
     num_tokens, seq_len, batch, nheads, rotary_dim, head_dim, freqs_len,
-    num_seqs, cp_size, cp_rank, angle_scale,
+    num_seqs, cp_size, cp_rank, angle_scale, n_axes,
     stride_x_seq, stride_x_batch, stride_x_head, stride_x_dim,
     stride_out_seq, stride_out_batch, stride_out_head, stride_out_dim,
     stride_freqs_seq, stride_freqs_dim,
@@ -142,7 +143,8 @@ def rotary_kernel(
         stride_freqs_seq=stride_freqs_seq, stride_freqs_dim=stride_freqs_dim,
         stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
         stride_pos_batch=stride_pos_batch,
-        freqs_len=freqs_len, angle_scale=angle_scale, rotary_dim=rotary_dim, head_dim=head_dim,
+        freqs_len=freqs_len, angle_scale=angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
+        head_dim=head_dim,
         num_tokens=num_tokens, seq_len=seq_len, batch=batch, num_seqs=num_seqs,
         cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=SEARCH_STEPS,
         BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
@@ -157,7 +159,7 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
                stride_x_seq, stride_x_batch, stride_x_group, stride_x_head, stride_x_dim,
                stride_out_seq, stride_out_batch, stride_out_group, stride_out_head, stride_out_dim,
                stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
-               stride_pos_batch, freqs_len, angle_scale, rotary_dim, head_dim, num_tokens,
+               stride_pos_batch, freqs_len, angle_scale, n_axes, rotary_dim, head_dim, num_tokens,
                seq_len, batch, num_seqs, cp_size, cp_rank, SEARCH_STEPS: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
@@ -215,7 +217,7 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
                              stride_pos_batch, SEARCH_STEPS, IS_THD, HAS_START, POSITIONS_FROM)
     if ANGLES_FROM_POSITIONS:
         cos1, cos2, sin_a, sin_b = _rotation_from_positions(
-            FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale, half, stride_pos_axis,
+            FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale, n_axes, half, stride_pos_axis,
             compute_dtype, BLOCK_HALF, BACKWARD, POSITIONS_FROM)
     else:
         cos1, cos2, sin_a, sin_b = _rotation_from_table(
@@ -377,7 +379,7 @@ def _rotation_from_table(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, st
 
 
 @triton.jit
-def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, half,
+def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, n_axes, half,
                              stride_pos_axis, compute_dtype: tl.constexpr,
                              BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
                              POSITIONS_FROM: tl.constexpr):
@@ -390,9 +392,13 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, h
     offs_k = tl.arange(0, BLOCK_HALF)
     mask_k = offs_k < half
     inv_freq = tl.load(INV_FREQ + offs_k, mask=mask_k, other=0.0)
+    axis_ok = offs_k >= 0
     if POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
+        # pair_axis is the caller's data: an axis outside [0, n_axes) gives NaN, never a read
+        # outside positions.
         axis = tl.load(PAIR_AXIS + offs_k, mask=mask_k, other=0).to(tl.int64)
-        p = tl.load(POSITIONS + pos[:, None] + axis[None, :] * stride_pos_axis,
+        axis_ok = (axis >= 0) & (axis < n_axes)
+        p = tl.load(POSITIONS + pos[:, None] + tl.where(axis_ok, axis, 0)[None, :] * stride_pos_axis,
                     mask=mask_k[None, :], other=0).to(tl.int64)               # [P, K]
     else:
         p = pos[:, None]                                                       # [P, 1]
@@ -405,7 +411,7 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, h
         lo = tl.fma(pf, inv_freq[None, :], -hi)
         sin, cos = _sincos_or_nan(hi, lo)
         # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
-        inexact = tl.abs(p) >= _FAST_REDUCTION_LIMIT
+        inexact = (tl.abs(p) >= _FAST_REDUCTION_LIMIT) | (~axis_ok)[None, :]
         nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
         sin, cos = tl.where(inexact, nan, sin), tl.where(inexact, nan, cos)
     sin = (sin * angle_scale)[:, None, :]
@@ -416,12 +422,13 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, h
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank",
-                               "q_freqs_len", "k_freqs_len", "q_angle_scale", "k_angle_scale"])
+                               "q_freqs_len", "k_freqs_len", "q_angle_scale", "k_angle_scale",
+                               "n_axes"])
 def rotary_qkv_kernel(
     Q_OUT, K_OUT, V_OUT, Q_IN, K_IN, V_IN, Q_FREQS, K_FREQS, Q_PAIR_AXIS, K_PAIR_AXIS,
     POSITIONS, START_POSITIONS,
     num_tokens, seq_len, batch, kv_heads, q_per_kv, rotary_dim, head_dim, v_dim,
-    q_freqs_len, k_freqs_len, q_angle_scale, k_angle_scale, cp_size, cp_rank, q_programs,
+    q_freqs_len, k_freqs_len, q_angle_scale, k_angle_scale, n_axes, cp_size, cp_rank, q_programs,
     # q as (seq, batch, kv group, head in group, channel); k and v as (seq, batch, head,
     # channel). Forward reads the packed tensor and writes three; backward the reverse.
     stride_qin_seq, stride_qin_batch, stride_qin_group, stride_qin_head, stride_qin_dim,
@@ -460,7 +467,7 @@ def rotary_qkv_kernel(
             stride_freqs_seq=stride_qf_seq, stride_freqs_dim=stride_qf_dim,
             stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
             stride_pos_batch=stride_pos_batch,
-            freqs_len=q_freqs_len, angle_scale=q_angle_scale, rotary_dim=rotary_dim,
+            freqs_len=q_freqs_len, angle_scale=q_angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
             head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
             num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=0,
             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
@@ -497,7 +504,7 @@ def rotary_qkv_kernel(
             stride_freqs_seq=stride_kf_seq, stride_freqs_dim=stride_kf_dim,
             stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
             stride_pos_batch=stride_pos_batch,
-            freqs_len=k_freqs_len, angle_scale=k_angle_scale, rotary_dim=rotary_dim,
+            freqs_len=k_freqs_len, angle_scale=k_angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
             head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
             num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=0,
             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_KV, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
@@ -561,10 +568,29 @@ class AngleSource(NamedTuple):
     interleaved: object       # the module's pair layout; None for a table
 
 
+def _check_source(source, name):
+    """An AngleSource built elsewhere (the custom ops' arguments) holds what the kernel reads."""
+    angles, pair_axis = source.angles, source.pair_axis
+    if not isinstance(angles, torch.Tensor) or angles.dtype != torch.float32:
+        raise TypeError(f"{name} angles must be a float32 tensor")
+    if source.from_positions:
+        if angles.dim() != 1 or angles.numel() == 0:
+            raise ValueError(f"{name}: inv_freq must be non-empty and 1-D, got "
+                             f"{tuple(angles.shape)}")
+        if (source.n_axes > 1) != (pair_axis is not None) or (
+                pair_axis is not None and (pair_axis.dtype != torch.int32
+                                           or pair_axis.shape != angles.shape)):
+            raise TypeError(f"{name}: pair_axis must be int32 of inv_freq's shape exactly when "
+                            f"n_axes > 1")
+    elif pair_axis is not None or source.n_axes != 1:
+        raise ValueError(f"{name}: a table has one position axis and no pair_axis")
+
+
 def angle_source(freqs, name="freqs"):
     """The AngleSource of `freqs`: a table tensor (TE's interface), or a module with
     `inv_freq` (RotaryPositionEmbedding, or anything with its attributes)."""
     if isinstance(freqs, AngleSource):
+        _check_source(freqs, name)
         return freqs
     if isinstance(freqs, torch.Tensor):
         if not freqs.is_floating_point():
@@ -581,12 +607,14 @@ def angle_source(freqs, name="freqs"):
                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
     n_axes = int(getattr(freqs, "n_axes", 1))
     pair_axis = getattr(freqs, "pair_axis", None) if n_axes > 1 else None
-    if pair_axis is not None and (pair_axis.dtype != torch.int32
-                                  or pair_axis.shape != inv_freq.shape):
+    if n_axes > 1 and (not isinstance(pair_axis, torch.Tensor) or pair_axis.dtype != torch.int32
+                       or pair_axis.shape != inv_freq.shape):
         raise TypeError(f"{name}.pair_axis must be int32 of inv_freq's shape "
-                        f"{tuple(inv_freq.shape)}, got {pair_axis.dtype} {tuple(pair_axis.shape)}")
-    return AngleSource(inv_freq.contiguous(), True,
-                       None if pair_axis is None else pair_axis.contiguous(), n_axes,
+                        f"{tuple(inv_freq.shape)} when {name}.n_axes > 1, got "
+                        f"{getattr(pair_axis, 'dtype', pair_axis)} "
+                        f"{tuple(getattr(pair_axis, 'shape', ()))}")
+    return AngleSource(inv_freq.resolve_neg().contiguous(), True,
+                       None if pair_axis is None else pair_axis.resolve_neg().contiguous(), n_axes,
                        float(getattr(freqs, "attention_scaling", 1.0)),
                        bool(getattr(freqs, "interleaved", False)))
 
@@ -763,6 +791,19 @@ def _overlaps_itself(x: torch.Tensor) -> bool:
     return False
 
 
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of a and b in one storage intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(x):
+        start = x.storage_offset() * x.element_size()
+        extent = sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride())) + 1
+        return start, start + extent * x.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _token_strides(x: torch.Tensor, tensor_format: str):
     """(seq, batch, head, dim) strides of x in the given format; thd has no batch stride."""
     if tensor_format == "sbhd":
@@ -798,7 +839,7 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
     block_t = min(max_block_t, _pow2_floor(min_tile // (row * block_h)))
     # Triton keeps the tile's [BLOCK_T, BLOCK_HALF] angles one per thread only when there
     # are at least as many as threads; with fewer, every thread recomputes sin/cos for its own
-    # channels (4x the instructions in the SASS), which a tile of up to 2 * MIN_TILE_ELEMENTS
+    # channels (several times the instructions in the SASS), which a tile of up to 2 * MIN_TILE_ELEMENTS
     # cannot hide, so such tiles get more tokens.
     while (block_t * block_half < 32 * NUM_WARPS and block_t * block_h * row < 2 * min_tile
            and block_t < max_block_t):
@@ -833,7 +874,6 @@ def _compiled_runner(kernel, grid):
     except (TypeError, AttributeError, KeyError) as err:
         if not _WARNED_NO_RUNNER:
             _WARNED_NO_RUNNER.append(err)
-            import warnings
             warnings.warn(f"triton_rotary: Triton {triton.__version__} gives no runner for a "
                           f"compiled kernel ({err!r}); every launch goes through Triton's JIT, "
                           f"which costs more CPU time per call", RuntimeWarning, stacklevel=3)
@@ -881,7 +921,7 @@ class _Plan(NamedTuple):
 
 # Launch plans keyed by everything the checks and the launch rule read (tensors' metadata,
 # never their values; other arguments with their types). A repeated call skips both: small
-# RoPE calls take a few microseconds on the GPU, so host time per call decides their speed.
+# RoPE calls take less GPU time than the checks take CPU time, so host time decides them.
 _PLANS = {}
 _MAX_PLANS = 4096
 
@@ -954,6 +994,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                              f"device {t.device}, got {tuple(out.shape)} {out.dtype} {out.device}")
         if _overlaps_itself(out):
             raise ValueError("out must not overlap itself in memory")
+        if _share_memory(out, t):
+            raise ValueError("out must not share memory with t (pass out=t to rotate in place)")
     if t.numel() == 0:
         return _Plan(None)
     x_strides = _token_strides(t, tensor_format)
@@ -966,7 +1008,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     grid, meta = launch_config(shape, t.device, copy_pass=not in_place)
     freqs_len, scale = _source_scalars(source)
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
-               shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale,
+               shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale, source.n_axes,
                *x_strides, *out_strides,
                *((0, 0) if source.from_positions else (source.angles.stride(0), source.angles.stride(3))),
                *_position_strides(positions, source, tensor_format))
@@ -1089,6 +1131,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     if grads is not None:
         want = [(*qkv.shape[:2], kv_heads * q_per_kv, k_dim), (*qkv.shape[:2], kv_heads, k_dim),
                 (*qkv.shape[:2], kv_heads, v_dim)]
+        if len(grads) != 3 or not all(isinstance(g, torch.Tensor) for g in grads):
+            raise TypeError("grads must be three tensors (dq, dk, dv)")
         for name, g, shp in zip(("dq", "dk", "dv"), grads, want):
             if tuple(g.shape) != shp or g.dtype != qkv.dtype or g.device != qkv.device:
                 raise ValueError(f"{name} must have shape {shp}, dtype {qkv.dtype} and device "
@@ -1114,7 +1158,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     table_strides = [s for src in (q_source, k_source) for s in
                      ((0, 0) if src.from_positions else (src.angles.stride(0), src.angles.stride(3)))]
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
-               k_dim, v_dim, q_len, k_len, q_scale, k_scale, cp_size, cp_rank, q_programs,
+               k_dim, v_dim, q_len, k_len, q_scale, k_scale, q_source.n_axes, cp_size, cp_rank,
+               q_programs,
                *strides, *table_strides, *_position_strides(positions, q_source, tensor_format))
     constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v,
                       BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
