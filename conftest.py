@@ -14,3 +14,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running GPU test (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "sanitize: odd shapes that `make sanitize` runs under "
                                        "compute-sanitizer (select with -m sanitize)")
+
+
+def pytest_report_header(config):
+    """Which Transformer Engine the TE comparisons ran against, or why they are skipped."""
+    from te_comparator import load_te_qkv_rope, load_te_rope
+    lines = []
+    for what, loader in (("fused RoPE", load_te_rope), ("fused QKV RoPE", load_te_qkv_rope)):
+        fn, info = loader()
+        lines.append(f"Transformer Engine {what}: " + (info if fn is not None else f"unavailable ({info})"))
+    return lines
