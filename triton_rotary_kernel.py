@@ -806,11 +806,9 @@ def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _token_strides(x: torch.Tensor, tensor_format: str):
     """(seq, batch, head, dim) strides of x in the given format; thd has no batch stride."""
-    if tensor_format == "sbhd":
-        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
-    if tensor_format == "bshd":
-        return x.stride(1), x.stride(0), x.stride(2), x.stride(3)
-    return x.stride(0), 0, x.stride(1), x.stride(2)
+    if tensor_format == "thd":
+        return x.stride(0), 0, x.stride(1), x.stride(2)
+    return (*_seq_batch_strides(x, tensor_format), x.stride(2), x.stride(3))
 
 
 @functools.lru_cache(maxsize=None)
@@ -967,9 +965,21 @@ def _source_key(source):
     return (type(source),)
 
 
+def _table_strides(source):
+    """(row, channel) element strides of a table; zeros for angles from positions."""
+    return (0, 0) if source.from_positions else (source.angles.stride(0), source.angles.stride(3))
+
+
 def _source_scalars(source):
     """(rows of the table or 0, cos/sin scale) of an AngleSource."""
     return (0 if source.from_positions else source.angles.shape[0]), source.scale
+
+
+def _as_source(freqs, name):
+    """A table or module as an AngleSource; anything else is left for the checks to name."""
+    if isinstance(freqs, torch.Tensor) or hasattr(freqs, "inv_freq"):
+        return angle_source(freqs, name)
+    return freqs
 
 
 def _positions_mode(source, positions):
@@ -1010,7 +1020,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
                shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale, source.n_axes,
                *x_strides, *out_strides,
-               *((0, 0) if source.from_positions else (source.angles.stride(0), source.angles.stride(3))),
+               *_table_strides(source),
                *_position_strides(positions, source, tensor_format))
     constexprs = dict(INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
                       SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
@@ -1043,8 +1053,7 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         t = t.resolve_neg()          # the kernel reads raw memory: apply the sign first
     if isinstance(out, torch.Tensor) and out is not t and out.is_neg():
         raise ValueError("out must not have the negative bit")
-    source = angle_source(freqs) if isinstance(freqs, torch.Tensor) or hasattr(freqs, "inv_freq") \
-        else freqs
+    source = _as_source(freqs, "freqs")
     start_positions, cu_seqlens, positions = map(_index_tensor, (start_positions, cu_seqlens, positions))
     tensors = (t, source.angles if isinstance(source, AngleSource) else source,
                getattr(source, "pair_axis", None), start_positions, cu_seqlens, positions,
@@ -1155,12 +1164,11 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     # (seq, batch, then the remaining dims) strides of each view, in the kernel's order.
     strides = [s for x in views for s in (*_seq_batch_strides(x, tensor_format), *x.stride()[2:])]
     (q_len, q_scale), (k_len, k_scale) = _source_scalars(q_source), _source_scalars(k_source)
-    table_strides = [s for src in (q_source, k_source) for s in
-                     ((0, 0) if src.from_positions else (src.angles.stride(0), src.angles.stride(3)))]
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
                k_dim, v_dim, q_len, k_len, q_scale, k_scale, q_source.n_axes, cp_size, cp_rank,
                q_programs,
-               *strides, *table_strides, *_position_strides(positions, q_source, tensor_format))
+               *strides, *_table_strides(q_source), *_table_strides(k_source),
+               *_position_strides(positions, q_source, tensor_format))
     constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v,
                       BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
                       HAS_START=start_positions is not None, INTERLEAVED=interleaved,
@@ -1181,8 +1189,7 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
         qkv = qkv.resolve_neg()
     if grads is not None:
         grads = tuple(g.resolve_neg() if isinstance(g, torch.Tensor) else g for g in grads)
-    sources = [angle_source(f, name) if isinstance(f, torch.Tensor) or hasattr(f, "inv_freq")
-               else f for f, name in ((q_freqs, "q_freqs"), (k_freqs, "k_freqs"))]
+    sources = [_as_source(q_freqs, "q_freqs"), _as_source(k_freqs, "k_freqs")]
     start_positions, positions = _index_tensor(start_positions), _index_tensor(positions)
     split = qkv_split_arg_list
     tensors = (qkv, *[getattr(s, "angles", s) for s in sources],
