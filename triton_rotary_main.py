@@ -1,8 +1,11 @@
 """Public API: a drop-in for Transformer Engine's `apply_rotary_pos_emb` and
-`RotaryPositionEmbedding`, backed by the Triton kernel in `triton_rotary_kernel.py`.
+`RotaryPositionEmbedding`, backed by the Triton kernel in `triton_rotary_kernel.py`, plus
+angles computed in the kernel from positions.
 
-    freqs = RotaryPositionEmbedding(128)(max_seq_len=4096)          # [s2, 1, 1, d2] float32
+    rope = RotaryPositionEmbedding(128)                               # or .from_hf_config(cfg)
+    freqs = rope(max_seq_len=4096)                                    # TE's table [s2, 1, 1, d2]
     q = apply_rotary_pos_emb(q, freqs, tensor_format="sbhd")          # Triton, autograd-aware
+    q = apply_rotary_pos_emb(q, rope, positions=pos)                  # exact angles, no table
     q_ref = apply_rotary_pos_emb(q, freqs, fused=False)               # pure-PyTorch formula
 """
 
