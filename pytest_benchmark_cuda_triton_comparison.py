@@ -1676,6 +1676,20 @@ def _fuzz_positions(draw, kind, shape, rows):
     return _index(draw, draw(st.lists(values, min_size=numel, max_size=numel)), shape)
 
 
+def _fuzz_sequences(draw, kind, cp_size, kwargs):
+    """Sequence length s (even under CP), batch b and table rows of an sbhd/bshd call, with
+    start positions or per-token positions ([s] or [b, s]) added to kwargs when CP allows."""
+    s = 2 * draw(st.integers(0, 3)) if cp_size > 1 else draw(st.integers(0, 6))
+    b = draw(st.integers(0, 3))
+    rows = s * cp_size + draw(st.integers(0, 4))
+    extra = draw(st.sampled_from(["none", "start", "positions", "batch positions"])) if cp_size == 1 else "none"
+    if extra == "start":
+        kwargs["start_positions"] = _index(draw, draw(st.lists(st.integers(-1, 4), min_size=b, max_size=b)))
+    elif extra != "none":
+        kwargs["positions"] = _fuzz_positions(draw, kind, (s,) if extra == "positions" else (b, s), rows)
+    return s, b, rows
+
+
 @_composite
 def _rope_calls(draw):
     """(t, freqs, kwargs, grad, in_seq, d2) for apply_rotary_pos_emb; in_seq marks the thd
@@ -1709,15 +1723,8 @@ def _rope_calls(draw):
                 starts = draw(st.lists(st.integers(-1, 4), min_size=len(cu) - 1, max_size=len(cu) - 1))
                 kwargs["start_positions"] = _index(draw, starts)
     else:
-        s = 2 * draw(st.integers(0, 3)) if cp_size > 1 else draw(st.integers(0, 6))
-        b = draw(st.integers(0, 3))
+        s, b, rows = _fuzz_sequences(draw, kind, cp_size, kwargs)
         shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
-        rows = s * cp_size + draw(st.integers(0, 4))
-        extra = draw(st.sampled_from(["none", "start", "positions", "batch positions"])) if cp_size == 1 else "none"
-        if extra == "start":
-            kwargs["start_positions"] = _index(draw, draw(st.lists(st.integers(-1, 4), min_size=b, max_size=b)))
-        elif extra != "none":
-            kwargs["positions"] = _fuzz_positions(draw, kind, (s,) if extra == "positions" else (b, s), rows)
     freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows)
     return _laid_out(draw, gen, shape, dtype), freqs, kwargs, _laid_out(draw, gen, shape, dtype), in_seq, d2
 
@@ -1820,15 +1827,8 @@ def _qkv_calls(draw):
     kind = draw(st.sampled_from(["table", "module", "mrope"]))
     cp_size = draw(st.sampled_from([1, 1, 2, 4]))
     cp_rank = draw(st.integers(0, cp_size - 1))
-    s = 2 * draw(st.integers(0, 3)) if cp_size > 1 else draw(st.integers(0, 6))
-    b = draw(st.integers(0, 3))
-    rows = s * cp_size + draw(st.integers(0, 4))
     kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
-    extra = draw(st.sampled_from(["none", "start", "positions", "batch positions"])) if cp_size == 1 else "none"
-    if extra == "start":
-        kwargs["start_positions"] = _index(draw, draw(st.lists(st.integers(-1, 4), min_size=b, max_size=b)))
-    elif extra != "none":
-        kwargs["positions"] = _fuzz_positions(draw, kind, (s,) if extra == "positions" else (b, s), rows)
+    s, b, rows = _fuzz_sequences(draw, kind, cp_size, kwargs)
     # Distinct q and k angles, so a mix-up shows; both of one kind (as required).
     q_freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows)
     k_freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows, base=500.0)
