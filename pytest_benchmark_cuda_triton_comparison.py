@@ -18,6 +18,8 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from te_comparator import load_te_qkv_rope, load_te_rope
 import triton_rotary_kernel
@@ -894,6 +896,7 @@ def test_other_launch_configs(monkeypatch, tile, min_programs):
     programs: all give the same result."""
     if ON_GPU:
         monkeypatch.setattr(triton_rotary_kernel, "MIN_TILE_ELEMENTS", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "SEARCH_TILE_ELEMENTS", tile)
         monkeypatch.setattr(triton_rotary_kernel, "MAX_TILE_ELEMENTS", tile)
         monkeypatch.setattr(triton_rotary_kernel, "MIN_PROGRAMS_PER_SM", min_programs)
     else:
@@ -1408,6 +1411,7 @@ def test_launch_rule_changes_make_new_plans(monkeypatch):
     changes = ([("INTERPRETER_TILE_ELEMENTS", 32), ("INTERPRETER_TILE_ELEMENTS", 64),
                 ("INTERPRETER_MIN_PROGRAMS", 1000)] if not ON_GPU else
                [("MIN_TILE_ELEMENTS", 32), ("MAX_TILE_ELEMENTS", 32), ("MIN_PROGRAMS_PER_SM", 1000)])
+    changes += [("SEARCH_TILE_ELEMENTS", 128)]
     changes += [("NUM_WARPS", 1), ("MIN_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 64),
                 ("MAX_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7),
                 ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 3)]
@@ -1528,8 +1532,9 @@ def test_duck_typed_modules_are_checked():
     with pytest.raises(TypeError, match="pair_axis"):
         apply_rotary_pos_emb(t, _DuckRope(inv, n_axes=3), positions=pos)
     bad_axis = torch.tensor([0, 1, 7, -1], dtype=torch.int32, device=DEVICE)
-    out = apply_rotary_pos_emb(t, _DuckRope(inv, 3, bad_axis), positions=pos)
-    assert out[..., [2, 3, 6, 7]].isnan().all() and out[..., [0, 1, 4, 5]].isfinite().all()
+    for dtype in (torch.float32, torch.float64):     # float64 computes its angles apart
+        out = apply_rotary_pos_emb(t.to(dtype), _DuckRope(inv, 3, bad_axis), positions=pos)
+        assert out[..., [2, 3, 6, 7]].isnan().all() and out[..., [0, 1, 4, 5]].isfinite().all()
     neg = torch._neg_view(-inv)
     torch.testing.assert_close(apply_rotary_pos_emb(t, _DuckRope(neg)),
                                apply_rotary_pos_emb(t, _DuckRope(inv)))
@@ -2102,6 +2107,58 @@ def test_angles_from_positions_exact(case, head_dim, rope, interleaved):
     assert torch.equal(out[..., 32:], t[..., 32:]) and torch.equal(dx[..., 32:], grad[..., 32:])
 
 
+# The kernel's sin/cos of an exact angle hi + lo (`_exact_angle_sincos`) is within
+# SINCOS_ABS_BOUND of the true sin/cos: reduction error <= 3 * 2^-23, hardware sin/cos
+# <= 2^-21.19 (its docstring); numpy's sin/cos in the interpreter are tighter still.
+SINCOS_ABS_BOUND = 8e-7
+
+
+@triton.jit
+def _sincos_probe(HI, LO, SIN, COS, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    sin, cos = triton_rotary_kernel._exact_angle_sincos(tl.load(HI + i, mask=ok), tl.load(LO + i, mask=ok))
+    tl.store(SIN + i, sin, mask=ok)
+    tl.store(COS + i, cos, mask=ok)
+
+
+def _sincos_error(hi, lo):
+    """Largest |error| of the kernel's sin and cos of hi + lo against float64."""
+    sin, cos = torch.empty_like(hi), torch.empty_like(hi)
+    _sincos_probe[(triton.cdiv(hi.numel(), 1024),)](hi, lo, sin, cos, hi.numel(), BLOCK=1024)
+    angle = hi.double() + lo.double()
+    return max((sin.double() - angle.sin()).abs().max().item(),
+               (cos.double() - angle.cos()).abs().max().item())
+
+
+def test_exact_angle_sincos_error_bound():
+    """Issue 13's bound, one level down: sin/cos of every float32 angle in (-2^24, 2^24) on a
+    GPU (a sample of them in the interpreter), and of random exact products hi + lo (lo
+    within half an ulp of hi), within SINCOS_ABS_BOUND of float64; NaN from 2^24 on."""
+    gen = torch.Generator().manual_seed(60)
+    if ON_GPU:
+        top = int(torch.tensor([2.0 ** 24], dtype=torch.float32).view(torch.int32))
+        chunk = 1 << 27
+        for start in range(0, top, chunk):
+            hi = torch.arange(start, min(start + chunk, top), dtype=torch.int32, device=DEVICE).view(torch.float32)
+            zero = torch.zeros_like(hi)
+            assert _sincos_error(hi, zero) < SINCOS_ABS_BOUND, start
+            assert _sincos_error(-hi, zero) < SINCOS_ABS_BOUND, start
+            del hi, zero
+        samples = 1 << 24
+    else:
+        samples = 1 << 14
+    hi = (torch.rand(samples, generator=gen, dtype=torch.float64) ** 4 * 2.0 ** 24).float()
+    hi = hi * torch.where(torch.rand(samples, generator=gen) < 0.5, -1.0, 1.0)
+    ulp = (hi.abs().nextafter(torch.tensor(float("inf"))) - hi.abs()).double()
+    lo = ((torch.rand(samples, generator=gen, dtype=torch.float64) - 0.5) * ulp).float()
+    assert _sincos_error(hi.to(DEVICE), lo.to(DEVICE)) < SINCOS_ABS_BOUND
+    big = torch.tensor([2.0 ** 24, -2.0 ** 24, 3e7, float("nan")], device=DEVICE)
+    sin, cos = torch.empty_like(big), torch.empty_like(big)
+    _sincos_probe[(1,)](big, torch.zeros_like(big), sin, cos, 4, BLOCK=4)
+    assert sin.isnan().all() and cos.isnan().all()
+
+
 def test_table_angles_lose_accuracy_where_exact_angles_do_not():
     """What the exact path is for: TE's table holds float32(position * inv_freq), whose rounding
     at position ~2^20 is up to 2^-5 rad, so the table path is off by > 1e-4 where the exact
@@ -2620,6 +2677,15 @@ MODEL_POINTS = [
     # Fused QKV [s, 1, kv, (q_per_kv + 2) * d]: 8B at TP1 (8 kv x 4 q), 70B at TP8 (1 kv x 8 q).
     dict(name="qkv-8B-TP1-8K", layout="qkv", tokens=8192, kv=8, q_per_kv=4, d=128),
     dict(name="qkv-70B-TP8-32K", layout="qkv", tokens=32768, kv=1, q_per_kv=8, d=128),
+    # M-RoPE of a 7B vision-language model (Qwen2-VL-7B: 28 query / 4 key heads, d 128,
+    # mrope_section 16/24/24), 3-axis positions of text around an image (_vlm_positions): one
+    # sequence of 8K tokens (its key heads alone are under 16 MiB: they are the thd key point),
+    # and thd with 8 such sequences. The table path reads a per-token table of the mixed angles.
+    dict(name="VLM-7B-q-8K", layout="sbhd", tokens=8192, heads=28, d=128, kv=4, mrope=(16, 24, 24)),
+    dict(name="VLM-7B-q-thd-8x8K", layout="thd", seqs=8, seq_len=8192, heads=28, d=128,
+         mrope=(16, 24, 24)),
+    dict(name="VLM-7B-k-thd-8x8K", layout="thd", seqs=8, seq_len=8192, heads=4, d=128,
+         mrope=(16, 24, 24)),
 ]
 MIN_MODEL_INPUT_BYTES = 16 * 2 ** 20
 
@@ -2646,11 +2712,12 @@ PROVIDERS = {"torch": "Torch Native", "compile": "torch.compile", "te": "Transfo
 STYLES = [("tab:gray", "-"), ("tab:orange", "-"), ("tab:green", "-"), ("tab:blue", "-"),
           ("black", "--")]
 MODEL_PROVIDERS = {"triton": "Triton (freqs table)", "triton_positions": "Triton (positions)",
-                   "liger": "Liger", "flash_attn": "flash-attn (Triton)"}
+                   "liger": "Liger", "flash_attn": "flash-attn (Triton)",
+                   "liger_mrope": "Liger M-RoPE (qwen2vl_mrope)"}
 MODEL_COLORS = {"triton": "tab:blue", "triton_positions": "tab:cyan", "liger": "tab:red",
-                "flash_attn": "tab:purple"}
+                "flash_attn": "tab:purple", "liger_mrope": "tab:brown"}
 OURS = ("triton", "triton_positions")
-PEERS = ("liger", "flash_attn")
+PEERS = ("liger", "flash_attn", "liger_mrope")
 TARGET_FRACTION = 0.97
 _BENCH_CALLS = [0]
 
@@ -2829,6 +2896,13 @@ def _peers():
     except Exception as err:  # not installed, or a release that does not import on this Triton
         missing["liger"] = f"liger_kernel.ops.rope: {err!r}"
     try:
+        from liger_kernel.ops.qwen2vl_mrope import qwen2vl_mrope_backward, qwen2vl_mrope_forward
+        from liger_kernel.ops.qwen2vl_mrope import LigerQwen2VLMRopeFunction
+        found["liger_mrope"] = (LigerQwen2VLMRopeFunction, qwen2vl_mrope_forward,
+                                qwen2vl_mrope_backward)
+    except Exception as err:
+        missing["liger_mrope"] = f"liger_kernel.ops.qwen2vl_mrope: {err!r}"
+    try:
         from flash_attn.ops.triton.rotary import apply_rotary
         found["flash_attn"] = apply_rotary
     except Exception as err:
@@ -2929,6 +3003,8 @@ def _model_workload(point, dtype, shrink=1):
             skipped.setdefault(name, "no fused-QKV entry point")
         return dict(x=x, lines=lines, skipped=skipped)
 
+    if "mrope" in point:
+        return _mrope_workload(point, dtype, shrink, peers, skipped)
     heads = point["heads"]
     if layout == "thd":
         lengths = _thd_lengths(point, shrink)
@@ -2963,6 +3039,76 @@ def _model_workload(point, dtype, shrink=1):
         lines["liger"] = _liger_line(peers["liger"], new(1, tokens, heads, d), new(1, tokens, point["kv"], d),
                                      freqs)
     return dict(x=x, lines=lines, skipped=skipped)
+
+
+def _vlm_positions(tokens):
+    """3-axis (time, height, width) positions [3, tokens] of one VLM sequence, as Qwen2-VL
+    builds them: text tokens on the diagonal (all axes equal), then an image of a square grid
+    of patches at one time step, its rows and columns counted from where the text stopped,
+    then text again from past the image's largest position."""
+    text = tokens // 8
+    side = max(int(((tokens - 2 * text) ** 0.5)), 1)
+    image = side * side
+    head = torch.arange(text).expand(3, text)
+    grid = torch.stack([torch.full((image,), text), text + torch.arange(image) // side,
+                        text + torch.arange(image) % side])
+    rest = tokens - text - image
+    tail = (text + side + torch.arange(rest)).expand(3, rest)
+    return torch.cat([head, grid, tail], dim=1)
+
+
+def _mrope_workload(point, dtype, shrink, peers, skipped):
+    """A models point of M-RoPE (`point["mrope"]` the section): ours from the module and
+    3-axis positions, and from a table of each token's mixed angles (row = token); Liger's
+    qwen2vl_mrope at the single-sequence query point (it rotates q and k together)."""
+    d, heads = point["d"], point["heads"]
+    new = functools.partial(torch.randn, dtype=dtype, device=DEVICE)
+    rope = RotaryPositionEmbedding(d, mrope_section=point["mrope"], device=DEVICE)
+    if point["layout"] == "thd":
+        lengths = _thd_lengths(point, shrink)
+        pos = torch.cat([_vlm_positions(n) for n in lengths], dim=1).to(DEVICE)
+        fmt = dict(tensor_format="thd")
+    else:
+        pos = _vlm_positions(max(point["tokens"] // shrink, 1)).to(DEVICE)
+        fmt = dict(tensor_format="sbhd")
+    tokens = pos.shape[1]
+    x = new(tokens, heads, d) if point["layout"] == "thd" else new(tokens, 1, heads, d)
+    # Row i of the table: token i's angles, each pair at the position of its own axis.
+    angles = pos.T[:, rope.pair_axis.long()] * rope.inv_freq                # [t, d/2]
+    table = torch.cat([angles, angles], dim=-1).float()[:, None, None, :]
+    row_of_token = dict(positions=torch.arange(tokens, device=DEVICE)) if point["layout"] == "thd" else {}
+
+    def ours(f, **where):
+        return _Line(lambda: set_rotary_kernel(x, f, **fmt, **where),
+                     lambda: set_rotary_kernel(x, f, backward=True, **fmt, **where),
+                     lambda: _autograd_step(lambda t: (apply_rotary_pos_emb(t, f, **fmt, **where),), (x,)),
+                     2 * x.nbytes)
+    lines = {"triton": ours(table, **row_of_token), "triton_positions": ours(rope, positions=pos)}
+    for name in ("liger", "flash_attn"):
+        skipped.setdefault(name, "no M-RoPE")
+    if point["layout"] == "thd":
+        skipped.setdefault("liger_mrope", "no varlen (cu_seqlens) entry point")
+    elif "liger_mrope" in peers:
+        lines["liger_mrope"] = _liger_mrope_line(peers["liger_mrope"], x.view(1, tokens, heads, d),
+                                                 new(1, tokens, point["kv"], d), rope, pos,
+                                                 point["mrope"])
+    return dict(x=x, lines=lines, skipped=skipped)
+
+
+def _liger_mrope_line(entry, q_storage, k_storage, rope, pos, section):
+    """Liger's M-RoPE on q and k given as [b, s, h, d] storage, in its (Hugging Face's) layout:
+    [b, h, s, d] views, cos/sin [3, b, s, d] in q's dtype (each axis' cos/sin at that axis'
+    positions), rotated in place in one launch."""
+    liger, forward, backward = entry
+    q, k = q_storage.transpose(1, 2), k_storage.transpose(1, 2)
+    angles = pos[:, None, :, None].float() * rope.inv_freq                  # [3, 1, s, d/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    section = list(section)
+    return _Line(
+        lambda: forward(q, k, cos, sin, section), lambda: backward(q, k, cos, sin, section),
+        lambda: _autograd_step(lambda a, b: tuple(liger.apply(a, b, cos, sin, section)), (q, k)),
+        2 * (q.nbytes + k.nbytes))
 
 
 def _graphed(step):

@@ -42,40 +42,62 @@ import triton.language as tl
 # check that globals did not change since compilation).
 _NAN_BITS = tl.constexpr(0x7FC00000)
 
+# thd: entries of cu_seqlens one step of the search for a token's sequence compares.
+SEARCH_FAN = tl.constexpr(4)
+
 # Where the positions of the tokens come from (constexpr POSITIONS_FROM).
 IMPLICIT_POSITIONS = tl.constexpr(0)     # index in the sequence: start_positions, thd, CP
 POSITIONS_TENSOR = tl.constexpr(1)       # one position per token, from `positions`
 AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis chosen per pair
 
-# pi/2 as the unevaluated sum of three float32 numbers (Cody-Waite). PIO2_1 has 24
-# significant bits and its last bit is worth 2^-23, so for |k| <= 2^24 the first reduction
-# step x - k * PIO2_1, computed in one fma, is exact (the result is a multiple of 2^-23
-# below 2 in magnitude). The remaining terms are rounded once each (<= 2^-25 absolute).
+# Angles the float32 reductions take: |angle| < 2^24 (for positions: every position below 2^24
+# at the fastest frequency, 1 rad per token). Larger angles give NaN, like positions outside a
+# table: a precise fallback behind a per-tile branch fenced the tile's arithmetic and cost
+# bandwidth at small tiles (README, Results).
+_FAST_REDUCTION_LIMIT = tl.constexpr(16777216.0)
+
+# Table angles: pi/2 as the unevaluated sum of three float32 numbers (Cody-Waite). PIO2_1 has
+# 24 significant bits and its last bit is worth 2^-23, so for |k| <= 2^24 the first reduction
+# step x - k * PIO2_1, computed in one fma, is exact (the result is a multiple of 2^-23 below
+# 2 in magnitude). The remaining terms are rounded once each (<= 2^-25 absolute).
 _PIO2_1 = tl.constexpr(1.5707963705062866)
 _PIO2_2 = tl.constexpr(-4.371138828673793e-08)
 _PIO2_3 = tl.constexpr(-1.7151245100058819e-15)
 _TWO_OVER_PI = tl.constexpr(0.6366197466850281)
-# Angles the float32 reduction takes: |angle| < 2^24, so that |k| < 2^24 and |lo| <= 1/2 (i.e.
-# positions below 2^24 at the fastest frequency, 1 rad per token). Larger angles give NaN
-# (`_sincos_or_nan`), like positions outside a table: a precise fallback behind a per-tile
-# branch fenced the tile's arithmetic and cost bandwidth at small tiles (README, Results).
-_FAST_REDUCTION_LIMIT = tl.constexpr(16777216.0)
+
+# Angles from positions: pi as three float32 parts (PI_1: 24 bits, the last worth 2^-22) and
+# 1/pi as two (their sum within 1e-15 relative of 1/pi).
+_PI_1 = tl.constexpr(3.1415927410125732)
+_PI_2 = tl.constexpr(-8.742277657347586e-08)
+_PI_3 = tl.constexpr(-3.4302490200117637e-15)
+_INV_PI_HI = tl.constexpr(0.31830987334251404)
+_INV_PI_LO = tl.constexpr(1.2841276486597053e-08)
+
+# On the GPU the positions path takes sin/cos of its reduced angle from the hardware (PTX
+# sin.approx.f32 / cos.approx.f32); the interpreter cannot run PTX and takes numpy's sin/cos
+# of the same reduced angle. TRITON_INTERPRET must be set before this module is imported
+# (Triton itself reads it at import too).
+_HARDWARE_SINCOS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
-def _sincos(hi, lo):
-    """sin and cos of hi + lo (|lo| <= ulp(hi) / 2, |hi| < _FAST_REDUCTION_LIMIT), float32.
+def _nan():
+    return tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
 
-    hi + lo = k * pi/2 + r: k by rounding, r by the exact Cody-Waite steps above plus lo, so
-    |r| <= pi/4 + 1/2 + 2^-22. Taylor polynomials in r to degree 11 (sin) and 12 (cos)
-    truncate below 5e-9 on that range; with float32 evaluation the result is within a few
-    float32 ulps of the true sin/cos of hi + lo. The quadrant k mod 4 swaps and negates.
+
+@triton.jit
+def _table_sincos(angle):
+    """sin and cos of a float32 table angle, within a few float32 ulps; NaN for |angle| >=
+    _FAST_REDUCTION_LIMIT.
+
+    angle = k * pi/2 + r: k by rounding, r by the exact Cody-Waite steps above, |r| <= pi/4 +
+    2^-22. Taylor polynomials in r to degree 11 (sin) and 12 (cos) truncate below 1e-10 on
+    that range. The quadrant k mod 4 swaps and negates.
     """
-    k = tl.floor(hi * _TWO_OVER_PI + 0.5)
-    r = tl.fma(-k, _PIO2_1, hi)
+    k = tl.floor(angle * _TWO_OVER_PI + 0.5)
+    r = tl.fma(-k, _PIO2_1, angle)
     r = tl.fma(-k, _PIO2_2, r)
     r = tl.fma(-k, _PIO2_3, r)
-    r = r + lo
     r2 = r * r
     s = tl.fma(r2, -2.505210838544172e-08, 2.755731922398589e-06)    # 1/11!, 1/9!
     s = tl.fma(r2, s, -1.984126984126984e-04)                        # 1/7!
@@ -94,16 +116,46 @@ def _sincos(hi, lo):
     cos = tl.where(swap, s, c)
     sin = tl.where((q & 2) != 0, -sin, sin)
     cos = tl.where(((q + 1) & 2) != 0, -cos, cos)
-    return sin, cos
+    big = tl.abs(angle) >= _FAST_REDUCTION_LIMIT
+    return tl.where(big, _nan(), sin), tl.where(big, _nan(), cos)
 
 
 @triton.jit
-def _sincos_or_nan(hi, lo):
-    """`_sincos`, NaN where |hi| is past the fast reduction's range."""
-    sin, cos = _sincos(hi, lo)
-    big = tl.abs(hi) >= _FAST_REDUCTION_LIMIT
-    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    return tl.where(big, nan, sin), tl.where(big, nan, cos)
+def _exact_angle_sincos(hi, lo):
+    """sin and cos of the angle hi + lo, the exact product of a position and an inverse
+    frequency (|lo| <= ulp(hi) / 2); NaN where hi is NaN or |hi| >= _FAST_REDUCTION_LIMIT.
+
+    Error bound (|hi| < 2^24, so ulp(hi) <= 1 and |lo| <= 1/2):
+    - k = floor(hi * (1/pi) + 1/2) from the two-part 1/pi, one rounding of at most 1/4 (the
+      sum is below 2^23): |hi / pi - k| <= 3/4.
+    - r = hi - k * pi + lo. The first step hi - k * PI_1 is exact (fma; hi and k * PI_1 are
+      multiples of 2^-22, or of 2^-23 when |hi| < 2 and |k| <= 1, and the difference is
+      below 4), the next three round once each: |r| <= 3/4 * pi + 1/2 < 2.86 < pi, with an
+      error below 3 * 2^-23 + 2^24 * 2^-74 < 3.6e-7.
+    - sin r and cos r by the hardware: absolute error <= 2^-21.41 (sin) and 2^-21.19 (cos) on
+      [-pi, pi] (CUDA C++ Programming Guide, intrinsic functions; checked over every float32
+      in [-2.86, 2.86] in README's accuracy section); k odd negates both.
+    The rotation [[cos, -sin], [sin, cos]] is then within 3.6e-7 + 3.6e-7 + 4.3e-7 < 1.2e-6 (2-
+    norm) of the exact one; with the output's roundings, the relative error of a rotated pair
+    stays below 1.4e-6 (the accuracy tests' bound is 2e-6).
+    """
+    k = tl.floor(tl.fma(hi, _INV_PI_HI, tl.fma(hi, _INV_PI_LO, 0.5)))
+    r = tl.fma(-k, _PI_1, hi)
+    r = tl.fma(-k, _PI_2, r)
+    r = tl.fma(-k, _PI_3, r)
+    r = tl.where(tl.abs(hi) < _FAST_REDUCTION_LIMIT, r + lo, _nan())
+    if _HARDWARE_SINCOS:
+        sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r],
+                                        dtype=tl.float32, is_pure=True, pack=1)
+        cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [r],
+                                        dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        sin, cos = tl.sin(r), tl.cos(r)
+    # (-1)^k as the sign bit, flipped into both.
+    odd = k.to(tl.int32) << 31
+    sin = (sin.to(tl.int32, bitcast=True) ^ odd).to(tl.float32, bitcast=True)
+    cos = (cos.to(tl.int32, bitcast=True) ^ odd).to(tl.float32, bitcast=True)
+    return sin, cos
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "cp_size", "cp_rank",
@@ -128,7 +180,7 @@ def rotary_kernel(
     WIDE_INNER: tl.constexpr,    # offsets inside one token may exceed int32 (exotic strides)
     ANGLES_FROM_POSITIONS: tl.constexpr,  # FREQS is inv_freq [d2/2], else the table [s2, d2]
     POSITIONS_FROM: tl.constexpr,         # IMPLICIT_POSITIONS, POSITIONS_TENSOR, ...
-    SEARCH_STEPS: tl.constexpr,  # thd: binary-search steps over cu_seqlens, bit length of b
+    SEARCH_LEVELS: tl.constexpr,  # thd: steps of the search over cu_seqlens, see _search_levels
 ):
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     _rope_tile(
@@ -146,7 +198,7 @@ def rotary_kernel(
         freqs_len=freqs_len, angle_scale=angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
         head_dim=head_dim,
         num_tokens=num_tokens, seq_len=seq_len, batch=batch, num_seqs=num_seqs,
-        cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=SEARCH_STEPS,
+        cp_size=cp_size, cp_rank=cp_rank, SEARCH_LEVELS=SEARCH_LEVELS,
         BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
         INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, SEQ_MAJOR=SEQ_MAJOR,
         HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
@@ -160,7 +212,7 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
                stride_out_seq, stride_out_batch, stride_out_group, stride_out_head, stride_out_dim,
                stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
                stride_pos_batch, freqs_len, angle_scale, n_axes, rotary_dim, head_dim, num_tokens,
-               seq_len, batch, num_seqs, cp_size, cp_rank, SEARCH_STEPS: tl.constexpr,
+               seq_len, batch, num_seqs, cp_size, cp_rank, SEARCH_LEVELS: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
                IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr,
@@ -214,7 +266,7 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
     # Positions and cos/sin, shared by all heads of the tile.
     in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
                              seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq,
-                             stride_pos_batch, SEARCH_STEPS, IS_THD, HAS_START, POSITIONS_FROM)
+                             stride_pos_batch, SEARCH_LEVELS, IS_THD, HAS_START, POSITIONS_FROM)
     if ANGLES_FROM_POSITIONS:
         cos1, cos2, sin_a, sin_b = _rotation_from_positions(
             FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale, n_axes, half, stride_pos_axis,
@@ -277,7 +329,7 @@ def _token_coords(tok, seq_len, batch, IS_THD: tl.constexpr, SEQ_MAJOR: tl.const
 @triton.jit
 def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len,
                num_seqs, cp_size, cp_rank, stride_pos_seq, stride_pos_batch,
-               SEARCH_STEPS: tl.constexpr, IS_THD: tl.constexpr, HAS_START: tl.constexpr,
+               SEARCH_LEVELS: tl.constexpr, IS_THD: tl.constexpr, HAS_START: tl.constexpr,
                POSITIONS_FROM: tl.constexpr):
     """(in_seq, pos): whether each token lies inside a thd sequence (always, otherwise) and
     its position (int64). With axis positions (M-RoPE), `pos` is instead the token's element
@@ -291,14 +343,14 @@ def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, 
             pos = tl.load(POSITIONS + offset).to(tl.int64)
     else:
         in_seq, pos = _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
-                                          seq_len, num_seqs, cp_size, cp_rank, SEARCH_STEPS,
+                                          seq_len, num_seqs, cp_size, cp_rank, SEARCH_LEVELS,
                                           IS_THD, HAS_START)
     return in_seq, pos
 
 
 @triton.jit
 def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len, num_seqs,
-                        cp_size, cp_rank, SEARCH_STEPS: tl.constexpr, IS_THD: tl.constexpr,
+                        cp_size, cp_rank, SEARCH_LEVELS: tl.constexpr, IS_THD: tl.constexpr,
                         HAS_START: tl.constexpr):
     """(in_seq, pos) by TE's rules: the token's index in its sequence (int64), moved by context
     parallelism and start_positions; in_seq says whether a thd token lies in a sequence."""
@@ -309,17 +361,26 @@ def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, se
     local_len = seq_len.to(tl.int64)
     if IS_THD:
         # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
-        # each sequence. Binary search for the last sequence starting at or before the token,
-        # i.e. the last i with cu[i] // cp_size <= tok, written cu[i] < (tok + 1) * cp_size
-        # to keep an integer division out of the loop.
-        lo = tok * 0
-        hi = lo + num_seqs
+        # each sequence. The token's sequence is the last i with cu[i] // cp_size <= tok, i.e.
+        # cu[i] < (tok + 1) * cp_size (no integer division). A SEARCH_FAN-way search: each
+        # step loads SEARCH_FAN - 1 entries at once (independent cached loads) and moves past
+        # those below, so the chain of dependent loads is SEARCH_LEVELS long instead of
+        # log2(b). cu_seqlens is non-decreasing; were it not, the result is still an index in
+        # [0, num_seqs] (a wrong but in-bounds sequence), never a read outside it.
         next_start = (tok.to(tl.int64) + 1) * cp_size
-        for _ in range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            go_right = tl.load(CU_SEQLENS + mid) < next_start
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid - 1)
+        lo = tok * 0
+        step = 1
+        for _ in tl.static_range(SEARCH_LEVELS - 1):
+            step *= SEARCH_FAN
+        for _ in tl.static_range(SEARCH_LEVELS):
+            below = lo * 0
+            for j in tl.static_range(1, SEARCH_FAN):
+                cand = lo + j * step
+                valid = cand <= num_seqs
+                entry = tl.load(CU_SEQLENS + cand, mask=valid, other=0)
+                below += (valid & (entry < next_start)).to(tl.int32)
+            lo += below * step
+            step //= SEARCH_FAN
         batch_idx = lo
         seq_start = (tl.load(CU_SEQLENS + batch_idx) // cp_size).to(tl.int64)
         seq_end = (tl.load(CU_SEQLENS + tl.minimum(batch_idx + 1, num_seqs)) // cp_size).to(tl.int64)
@@ -368,11 +429,10 @@ def _rotation_from_table(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, st
         sin1, cos1 = tl.sin(f1), tl.cos(f1)
         sin2, cos2 = tl.sin(f2), tl.cos(f2)
     else:
-        sin1, cos1 = _sincos_or_nan(f1, 0.0)
-        sin2, cos2 = _sincos_or_nan(f2, 0.0)
-    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    cos1 = tl.where(pos_ok[:, None], cos1, nan)[:, None, :]
-    cos2 = tl.where(pos_ok[:, None], cos2, nan)[:, None, :]
+        sin1, cos1 = _table_sincos(f1)
+        sin2, cos2 = _table_sincos(f2)
+    cos1 = tl.where(pos_ok[:, None], cos1, _nan())[:, None, :]
+    cos2 = tl.where(pos_ok[:, None], cos2, _nan())[:, None, :]
     if BACKWARD:
         return cos1, cos2, -sin2[:, None, :], -sin1[:, None, :]
     return cos1, cos2, sin1[:, None, :], sin2[:, None, :]
@@ -388,16 +448,17 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, n
 
     The product of the integer position and the float32 inverse frequency is kept exact as
     hi + lo (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
-    exactly; NaN beyond), and reduced modulo pi/2 without rounding it first (`_sincos`)."""
+    exactly; NaN beyond) and reduced modulo pi without rounding it first
+    (`_exact_angle_sincos`)."""
     offs_k = tl.arange(0, BLOCK_HALF)
     mask_k = offs_k < half
     inv_freq = tl.load(INV_FREQ + offs_k, mask=mask_k, other=0.0)
-    axis_ok = offs_k >= 0
     if POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
-        # pair_axis is the caller's data: an axis outside [0, n_axes) gives NaN, never a read
-        # outside positions.
+        # pair_axis is the caller's data: an axis outside [0, n_axes) gives NaN (through its
+        # frequency), never a read outside positions.
         axis = tl.load(PAIR_AXIS + offs_k, mask=mask_k, other=0).to(tl.int64)
         axis_ok = (axis >= 0) & (axis < n_axes)
+        inv_freq = tl.where(axis_ok, inv_freq, _nan())
         p = tl.load(POSITIONS + pos[:, None] + tl.where(axis_ok, axis, 0)[None, :] * stride_pos_axis,
                     mask=mask_k[None, :], other=0).to(tl.int64)               # [P, K]
     else:
@@ -406,14 +467,11 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, n
         angle = p.to(tl.float64) * inv_freq.to(tl.float64)[None, :]
         sin, cos = tl.sin(angle), tl.cos(angle)
     else:
-        pf = p.to(tl.float32)
+        # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
+        pf = tl.where(tl.abs(p) < _FAST_REDUCTION_LIMIT, p.to(tl.float32), _nan())
         hi = pf * inv_freq[None, :]
         lo = tl.fma(pf, inv_freq[None, :], -hi)
-        sin, cos = _sincos_or_nan(hi, lo)
-        # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
-        inexact = (tl.abs(p) >= _FAST_REDUCTION_LIMIT) | (~axis_ok)[None, :]
-        nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-        sin, cos = tl.where(inexact, nan, sin), tl.where(inexact, nan, cos)
+        sin, cos = _exact_angle_sincos(hi, lo)
     sin = (sin * angle_scale)[:, None, :]
     cos = (cos * angle_scale)[:, None, :]
     if BACKWARD:
@@ -469,7 +527,7 @@ def rotary_qkv_kernel(
             stride_pos_batch=stride_pos_batch,
             freqs_len=q_freqs_len, angle_scale=q_angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
             head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
-            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=0,
+            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_LEVELS=0,
             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
             INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
             HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
@@ -506,7 +564,7 @@ def rotary_qkv_kernel(
             stride_pos_batch=stride_pos_batch,
             freqs_len=k_freqs_len, angle_scale=k_angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
             head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
-            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_STEPS=0,
+            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_LEVELS=0,
             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_KV, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
             INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
             HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
@@ -533,6 +591,9 @@ MIN_TILE_ELEMENTS = 2048
 MAX_TILE_ELEMENTS = 8192
 NUM_WARPS = 2
 MIN_PROGRAMS_PER_SM = 4
+# thd tiles whose tokens search cu_seqlens for their sequence hold at least this many: more
+# tokens per program, more of their (latency-bound) searches in flight at once.
+SEARCH_TILE_ELEMENTS = 4096
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 INTERPRETER_TILE_ELEMENTS = 1 << 16
 INTERPRETER_MIN_PROGRAMS = 0
@@ -545,7 +606,7 @@ def _interpreting() -> bool:
 def _launch_rule():
     """The constants `launch_config` reads; part of every plan's key."""
     return (MIN_TILE_ELEMENTS, MAX_TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS_PER_SM,
-            INTERPRETER_TILE_ELEMENTS, INTERPRETER_MIN_PROGRAMS, _interpreting())
+            SEARCH_TILE_ELEMENTS, INTERPRETER_TILE_ELEMENTS, INTERPRETER_MIN_PROGRAMS, _interpreting())
 
 
 class RopeShape(NamedTuple):
@@ -816,7 +877,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
+def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, searching=False):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
     autotuning). Large inputs get one tile shape whatever their length; only inputs too small
     to give every SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled
@@ -830,7 +891,8 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
         min_programs = INTERPRETER_MIN_PROGRAMS
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        min_tile, max_tile = MIN_TILE_ELEMENTS, MAX_TILE_ELEMENTS
+        min_tile = SEARCH_TILE_ELEMENTS if searching else MIN_TILE_ELEMENTS
+        max_tile = MAX_TILE_ELEMENTS
         min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
     block_h = min(triton.next_power_of_2(shape.nheads), _pow2_floor(max_tile // row))
     max_block_t = triton.next_power_of_2(shape.num_tokens)
@@ -854,6 +916,14 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool):
     meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
                 num_warps=NUM_WARPS)
     return grid, meta
+
+
+def _search_levels(num_seqs: int) -> int:
+    """Steps of the thd search: SEARCH_FAN ** levels > num_seqs (indices 0..num_seqs)."""
+    levels = 1
+    while SEARCH_FAN.value ** levels <= num_seqs:
+        levels += 1
+    return levels
 
 
 def _pow2_floor(n: int) -> int:
@@ -1015,7 +1085,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     widest = max((shape.nheads - 1) * abs(s_h) + (shape.head_dim - 1) * abs(s_d)
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
-    grid, meta = launch_config(shape, t.device, copy_pass=not in_place)
+    grid, meta = launch_config(shape, t.device, copy_pass=not in_place,
+                               searching=is_thd and positions is None)
     freqs_len, scale = _source_scalars(source)
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
                shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale, source.n_axes,
@@ -1027,7 +1098,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                       WIDE_INNER=widest > _INT32_MAX,
                       ANGLES_FROM_POSITIONS=source.from_positions,
                       POSITIONS_FROM=_positions_mode(source, positions),
-                      SEARCH_STEPS=max(shape.batch, 1).bit_length() if is_thd else 0, **meta)
+                      SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0, **meta)
     return _Plan(_Launch(rotary_kernel, grid, scalars, constexprs))
 
 
