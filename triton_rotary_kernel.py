@@ -919,8 +919,10 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, searc
 
 
 def _search_levels(num_seqs: int) -> int:
-    """Steps of the thd search: SEARCH_FAN ** levels > num_seqs (indices 0..num_seqs)."""
-    levels = 1
+    """Steps of the thd search: SEARCH_FAN ** levels > num_seqs (indices 0..num_seqs), and at
+    least 2: with one step, LLVM's SLP vectorizer in Triton 3.6 aborts on some tiles (an
+    assertion in BoUpSLP, interleaved float32 tiles of 8 tokens x 8 heads)."""
+    levels = 2
     while SEARCH_FAN.value ** levels <= num_seqs:
         levels += 1
     return levels
