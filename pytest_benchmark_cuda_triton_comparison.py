@@ -2569,8 +2569,8 @@ def _accuracy_vs_position(head_dim=128, tokens=4, heads=4, seed=50):
 
 def plot_accuracy(path="artifacts/accuracy_vs_position.png", rows=None):
     """The accuracy study (`rows`, else computed now) as a plot at `path` and a CSV next to it
-    (same name, .csv); returns the rows. The committed artifacts come from CPU through Triton's
-    interpreter; a GPU runs the same arithmetic (explicit fma, the kernel's own sin/cos)."""
+    (same name, .csv); returns the rows. The committed artifacts come from a GPU (the hardware
+    sin/cos of the positions path); the interpreter takes numpy's sin/cos there."""
     import csv
     if rows is None:
         rows = _accuracy_vs_position()
