@@ -2976,6 +2976,14 @@ def _liger_line(entry, q_storage, k_storage, freqs):
         2 * (q.nbytes + k.nbytes))
 
 
+def _ours_line(x, freqs, **kwargs):
+    """Our kernel on x with `freqs` (a table or the module) and the call's other arguments."""
+    return _Line(lambda: set_rotary_kernel(x, freqs, **kwargs),
+                 lambda: set_rotary_kernel(x, freqs, backward=True, **kwargs),
+                 lambda: _autograd_step(lambda t: (apply_rotary_pos_emb(t, freqs, **kwargs),), (x,)),
+                 2 * x.nbytes)
+
+
 def _model_workload(point, dtype, shrink=1):
     """Input of one models point (`x`, the tensor our kernel takes) and per provider its
     _Line; `skipped` says why a provider has none. `shrink` divides the token counts (so
@@ -3019,12 +3027,7 @@ def _model_workload(point, dtype, shrink=1):
         freqs = rope(tokens)
         fmt = dict(tensor_format="sbhd")
 
-    def ours(f):
-        return _Line(lambda: set_rotary_kernel(x, f, **fmt),
-                     lambda: set_rotary_kernel(x, f, backward=True, **fmt),
-                     lambda: _autograd_step(lambda t: (apply_rotary_pos_emb(t, f, **fmt),), (x,)),
-                     2 * x.nbytes)
-    lines["triton"], lines["triton_positions"] = ours(freqs), ours(rope)
+    lines["triton"], lines["triton_positions"] = _ours_line(x, freqs, **fmt), _ours_line(x, rope, **fmt)
 
     if "flash_attn" in peers:
         if layout == "thd":
@@ -3078,12 +3081,8 @@ def _mrope_workload(point, dtype, shrink, peers, skipped):
     table = torch.cat([angles, angles], dim=-1).float()[:, None, None, :]
     row_of_token = dict(positions=torch.arange(tokens, device=DEVICE)) if point["layout"] == "thd" else {}
 
-    def ours(f, **where):
-        return _Line(lambda: set_rotary_kernel(x, f, **fmt, **where),
-                     lambda: set_rotary_kernel(x, f, backward=True, **fmt, **where),
-                     lambda: _autograd_step(lambda t: (apply_rotary_pos_emb(t, f, **fmt, **where),), (x,)),
-                     2 * x.nbytes)
-    lines = {"triton": ours(table, **row_of_token), "triton_positions": ours(rope, positions=pos)}
+    lines = {"triton": _ours_line(x, table, **fmt, **row_of_token),
+             "triton_positions": _ours_line(x, rope, **fmt, positions=pos)}
     for name in ("liger", "flash_attn"):
         skipped.setdefault(name, "no M-RoPE")
     if point["layout"] == "thd":
