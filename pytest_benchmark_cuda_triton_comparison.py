@@ -2704,8 +2704,9 @@ SWEEPS = {
 }
 BENCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("forward", "backward", "forward+backward")
-# The models sweep times the kernels alone, the eager autograd step, and the same step
-# replayed from a CUDA graph: eager minus graph is what the host costs per step.
+# The models sweep times the kernels alone (one call, replayed from a CUDA graph), the eager
+# autograd step, and the same step replayed from a CUDA graph: eager minus graph is what the
+# host costs per step.
 MODEL_MODES = ("forward_kernel", "backward_kernel", "forward+backward", "forward+backward (CUDA graph)")
 PROVIDERS = {"torch": "Torch Native", "compile": "torch.compile", "te": "Transformer Engine",
              "triton": "Triton", "copy": "Device copy"}
@@ -2713,9 +2714,9 @@ STYLES = [("tab:gray", "-"), ("tab:orange", "-"), ("tab:green", "-"), ("tab:blue
           ("black", "--")]
 MODEL_PROVIDERS = {"triton": "Triton (freqs table)", "triton_positions": "Triton (positions)",
                    "liger": "Liger", "flash_attn": "flash-attn (Triton)",
-                   "liger_mrope": "Liger M-RoPE (qwen2vl_mrope)"}
+                   "liger_mrope": "Liger M-RoPE (qwen2vl_mrope)", "triton_copy": "Triton copy"}
 MODEL_COLORS = {"triton": "tab:blue", "triton_positions": "tab:cyan", "liger": "tab:red",
-                "flash_attn": "tab:purple", "liger_mrope": "tab:brown"}
+                "flash_attn": "tab:purple", "liger_mrope": "tab:brown", "triton_copy": "tab:gray"}
 OURS = ("triton", "triton_positions")
 PEERS = ("liger", "flash_attn", "liger_mrope")
 TARGET_FRACTION = 0.97
@@ -3126,11 +3127,16 @@ def _graphed(step):
 
 
 def _model_line_ms(line, mode, state):
-    """(median, p20, p80) ms of one provider in one models mode. The autograd step is built
-    once per provider and point (`state`) and serves both forward+backward modes."""
+    """(median, p20, p80) ms of one provider in one models mode. The kernels alone are
+    replayed from a CUDA graph: called eagerly, a provider whose host work per call outlasts
+    the cache flush before it (the fused QKV's views and outputs, a peer's cos/sin setup)
+    would leave the GPU idle inside its own timing. The autograd step is built once per
+    provider and point (`state`) and serves both forward+backward modes."""
     if mode in ("forward_kernel", "backward_kernel"):
-        with torch.no_grad():
-            return _bench_ms(line.forward if mode == "forward_kernel" else line.backward)
+        if mode not in state:
+            with torch.no_grad():
+                state[mode] = _graphed(line.forward if mode == "forward_kernel" else line.backward)
+        return _bench_ms(state[mode].replay)
     if "step" not in state:
         state["step"] = line.make_step()
     if mode == "forward+backward":
@@ -3144,24 +3150,52 @@ def _copy_line(src):
     return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
 
 
+@triton.jit
+def _triton_copy_kernel(OUT, X, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(OUT + offs, tl.load(X + offs, mask=mask), mask=mask)
+
+
+# A plain Triton copy: what a Triton kernel with the least work per byte reaches on this GPU.
+# Small programs (1024 elements, 4 warps: 16 or 32 bytes per thread and access) were the
+# fastest of the block sizes tried on the H200 (README, Results).
+TRITON_COPY_BLOCK, TRITON_COPY_WARPS = 1024, 4
+
+
+def _triton_copy_line(src):
+    flat = src.reshape(-1)
+
+    def copy():
+        out = torch.empty_like(flat)
+        _triton_copy_kernel[(triton.cdiv(flat.numel(), TRITON_COPY_BLOCK),)](
+            out, flat, flat.numel(), BLOCK=TRITON_COPY_BLOCK, num_warps=TRITON_COPY_WARPS)
+        return out
+    return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
+
+
 def _copy_ms(copies, x, moved, mode):
-    """Timing of a device copy of `moved` bytes (read + written) in `mode`, measured once per
-    point and dtype: x itself where the provider moves x, else a flat buffer of x's dtype."""
+    """Timing of a device copy of `moved` bytes (read + written) for `mode`, measured once per
+    point and dtype: x itself where the provider moves x, else a flat buffer of x's dtype. One
+    copy for the kernel modes, two for the forward+backward modes; always eager: captured in
+    a CUDA graph, a large copy becomes a memcpy node that runs far below the copy kernel's
+    speed (0.40 instead of 0.26 ms for 512 MB on the H200), which would flatter everything
+    measured against it."""
     if moved not in copies:
         src = x if moved == 2 * x.nbytes else torch.empty(moved // 2 // x.element_size(),
                                                           dtype=x.dtype, device=x.device)
-        copies[moved] = (_copy_line(src), {}, {})
-    line, state, done = copies[moved]
-    kind = "kernel" if mode.endswith("_kernel") else mode      # the two kernel modes: one copy
-    if kind not in done:
-        done[kind] = _model_line_ms(line, mode, state)
-    return done[kind]
+        copies[moved] = (_copy_line(src), {})
+    line, done = copies[moved]
+    passes = 1 if mode.endswith("_kernel") else 2
+    if passes not in done:
+        done[passes] = _bench_ms(line.forward if passes == 1 else line.make_step())
+    return done[passes]
 
 
 def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None):
-    """Time every models point: per provider and mode its ms and the ms of a device copy of
-    the same bytes (one copy per pass; two for forward+backward, eager or graphed like the
-    provider). Inputs are built once per point and dtype and freed before the next."""
+    """Time every models point: per provider and mode its ms and the ms of an eager device
+    copy of the same bytes (one copy per pass; two for forward+backward). Inputs are built
+    once per point and dtype and freed before the next."""
     import gc
     for point in points or MODEL_POINTS:
         for dtype_name in dtype_names:
@@ -3172,8 +3206,9 @@ def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None):
                                  f"below {MIN_MODEL_INPUT_BYTES}")
             for name, why in work["skipped"].items():
                 print(f"  models {point['name']} {dtype_name}: {name} left out: {why}", flush=True)
-            copies = {}   # moved bytes -> (copy _Line, its state, {mode kind: timing})
-            for provider, line in [("copy", _copy_line(x))] + list(work["lines"].items()):
+            copies = {}   # moved bytes -> (copy _Line, {passes: timing})
+            references = [("copy", _copy_line(x)), ("triton_copy", _triton_copy_line(x))]
+            for provider, line in references + list(work["lines"].items()):
                 state = {}
                 for mode in modes:
                     try:
@@ -3301,7 +3336,8 @@ def _models_summary(results):
     present = [p for p in MODEL_PROVIDERS if any(p in rows for rows in table.values())]
     lines = ["## models: real shapes (ms, medians, and fraction of copy speed)", "",
              "Fraction of copy speed = ms of a device copy of the same bytes (one copy per pass, two "
-             "for forward+backward, timed the same way: kernels alone, eager, or graph replay) / "
+             "for forward+backward, timed the same way: kernels alone (one call replayed from a CUDA "
+             "graph), eager, or graph replay) / "
              "the provider's ms. Liger moves q and k (its copy is of those bytes); the others move "
              f"the point's tensor. Flags: ours below {TARGET_FRACTION}, or below the best peer's "
              "fraction.", ""]
@@ -3467,7 +3503,8 @@ def _write_gpus_summary():
         with_models = [g for g in gpus if tables[g]]
         lines += ["## models: fraction of copy speed", "",
                   "Per GPU: Triton (freqs table) / Triton (positions) / best peer (liger or flash-attn, "
-                  "by fraction). `-`: not measured or the path raised.", "",
+                  "by fraction) / a plain Triton copy kernel of the same bytes. `-`: not measured or "
+                  "the path raised.", "",
                   "| point | dtype | mode | " + " | ".join(with_models) + " |",
                   "|---|---|---|" + "---|" * len(with_models)]
         for key in keys:
@@ -3477,7 +3514,9 @@ def _write_gpus_summary():
                 peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
                 best = max(peers) if peers else None
                 ours = [f"{f:.3f}" if (f := _fraction(rows.get(p))) is not None else "-" for p in OURS]
-                cells.append(" / ".join(ours) + (f" / {best[0]:.3f} {best[1]}" if best else " / -"))
+                tcopy = _fraction(rows.get("triton_copy"))
+                cells.append(" / ".join(ours) + (f" / {best[0]:.3f} {best[1]}" if best else " / -")
+                             + (f" / {tcopy:.3f}" if tcopy is not None else " / -"))
             lines.append(f"| {' | '.join(key)} | " + " | ".join(cells) + " |")
         lines.append("")
     sweeps = [s for s in SWEEPS if s != "models" and any(
