@@ -3335,10 +3335,10 @@ def _models_summary(results):
         return []
     present = [p for p in MODEL_PROVIDERS if any(p in rows for rows in table.values())]
     lines = ["## models: real shapes (ms, medians, and fraction of copy speed)", "",
-             "Fraction of copy speed = ms of a device copy of the same bytes (one copy per pass, two "
-             "for forward+backward, timed the same way: kernels alone (one call replayed from a CUDA "
-             "graph), eager, or graph replay) / "
-             "the provider's ms. Liger moves q and k (its copy is of those bytes); the others move "
+             "Fraction of copy speed = ms of an eager device copy of the same bytes (one copy per "
+             "pass, two for forward+backward) / the provider's ms (kernels alone: one call replayed "
+             "from a CUDA graph; forward+backward: eager, or replayed from a CUDA graph). "
+             "Liger moves q and k (its copy is of those bytes); the others move "
              f"the point's tensor. Flags: ours below {TARGET_FRACTION}, or below the best peer's "
              "fraction.", ""]
     flagged = {k: _model_flags(rows) for k, rows in table.items()}
