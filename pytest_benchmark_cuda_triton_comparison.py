@@ -3145,9 +3145,14 @@ def _model_line_ms(line, mode, state):
     return _bench_ms(graph.replay)
 
 
-def _copy_line(src):
-    copy = lambda: torch.empty_like(src).copy_(src)      # noqa: E731  the memory roofline
+def _reference_line(copy, src):
+    """A reference that reads and writes src's bytes once per pass: `copy` serves forward and
+    backward, two of it the forward+backward step."""
     return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
+
+
+def _copy_line(src):
+    return _reference_line(lambda: torch.empty_like(src).copy_(src), src)   # the memory roofline
 
 
 @triton.jit
@@ -3171,7 +3176,7 @@ def _triton_copy_line(src):
         _triton_copy_kernel[(triton.cdiv(flat.numel(), TRITON_COPY_BLOCK),)](
             out, flat, flat.numel(), BLOCK=TRITON_COPY_BLOCK, num_warps=TRITON_COPY_WARPS)
         return out
-    return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
+    return _reference_line(copy, src)
 
 
 def _copy_ms(copies, x, moved, mode):
