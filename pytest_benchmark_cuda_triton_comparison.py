@@ -897,6 +897,7 @@ def test_other_launch_configs(monkeypatch, tile, min_programs):
     if ON_GPU:
         monkeypatch.setattr(triton_rotary_kernel, "MIN_TILE_ELEMENTS", tile)
         monkeypatch.setattr(triton_rotary_kernel, "SEARCH_TILE_ELEMENTS", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "QKV_TILE_ELEMENTS", tile)
         monkeypatch.setattr(triton_rotary_kernel, "MAX_TILE_ELEMENTS", tile)
         monkeypatch.setattr(triton_rotary_kernel, "MIN_PROGRAMS_PER_SM", min_programs)
     else:
@@ -1408,10 +1409,10 @@ def test_launch_rule_changes_make_new_plans(monkeypatch):
     call()
     call()
     assert len(calls) == 1
-    changes = ([("INTERPRETER_TILE_ELEMENTS", 32), ("INTERPRETER_TILE_ELEMENTS", 64),
+    changes = ([("INTERPRETER_TILE_ELEMENTS", 128), ("INTERPRETER_TILE_ELEMENTS", 64),
                 ("INTERPRETER_MIN_PROGRAMS", 1000)] if not ON_GPU else
                [("MIN_TILE_ELEMENTS", 32), ("MAX_TILE_ELEMENTS", 32), ("MIN_PROGRAMS_PER_SM", 1000)])
-    changes += [("SEARCH_TILE_ELEMENTS", 128)]
+    changes += [("SEARCH_TILE_ELEMENTS", 128), ("QKV_TILE_ELEMENTS", 128)]
     changes += [("NUM_WARPS", 1), ("MIN_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 64),
                 ("MAX_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7),
                 ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 3)]
@@ -2117,7 +2118,8 @@ SINCOS_ABS_BOUND = 8e-7
 def _sincos_probe(HI, LO, SIN, COS, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    sin, cos = triton_rotary_kernel._exact_angle_sincos(tl.load(HI + i, mask=ok), tl.load(LO + i, mask=ok))
+    # The kernel takes the angle as hi - err: err = -lo.
+    sin, cos = triton_rotary_kernel._exact_angle_sincos(tl.load(HI + i, mask=ok), -tl.load(LO + i, mask=ok))
     tl.store(SIN + i, sin, mask=ok)
     tl.store(COS + i, cos, mask=ok)
 

@@ -121,14 +121,15 @@ def _table_sincos(angle):
 
 
 @triton.jit
-def _exact_angle_sincos(hi, lo):
-    """sin and cos of the angle hi + lo, the exact product of a position and an inverse
-    frequency (|lo| <= ulp(hi) / 2); NaN where hi is NaN or |hi| >= _FAST_REDUCTION_LIMIT.
+def _exact_angle_sincos(hi, err):
+    """sin and cos of the angle hi - err, the exact product of a position and an inverse
+    frequency (hi its float32 rounding, |err| <= ulp(hi) / 2); NaN where hi is NaN or
+    |hi| >= _FAST_REDUCTION_LIMIT.
 
-    Error bound (|hi| < 2^24, so ulp(hi) <= 1 and |lo| <= 1/2):
+    Error bound (|hi| < 2^24, so ulp(hi) <= 1 and |err| <= 1/2):
     - k = floor(hi * (1/pi) + 1/2) from the two-part 1/pi, one rounding of at most 1/4 (the
       sum is below 2^23): |hi / pi - k| <= 3/4.
-    - r = hi - k * pi + lo. The first step hi - k * PI_1 is exact (fma; hi and k * PI_1 are
+    - r = hi - k * pi - err. The first step hi - k * PI_1 is exact (fma; hi and k * PI_1 are
       multiples of 2^-22, or of 2^-23 when |hi| < 2 and |k| <= 1, and the difference is
       below 4), the next three round once each: |r| <= 3/4 * pi + 1/2 < 2.86 < pi, with an
       error below 3 * 2^-23 + 2^24 * 2^-74 < 3.6e-7.
@@ -140,10 +141,11 @@ def _exact_angle_sincos(hi, lo):
     stays below 1.4e-6 (the accuracy tests' bound is 2e-6).
     """
     k = tl.floor(tl.fma(hi, _INV_PI_HI, tl.fma(hi, _INV_PI_LO, 0.5)))
-    r = tl.fma(-k, _PI_1, hi)
-    r = tl.fma(-k, _PI_2, r)
-    r = tl.fma(-k, _PI_3, r)
-    r = tl.where(tl.abs(hi) < _FAST_REDUCTION_LIMIT, r + lo, _nan())
+    # The constants carry the signs, so that no instruction negates k or err.
+    r = tl.fma(k, -_PI_1, hi)
+    r = tl.fma(k, -_PI_2, r)
+    r = tl.fma(k, -_PI_3, r)
+    r = tl.where(tl.abs(hi) < _FAST_REDUCTION_LIMIT, r - err, _nan())
     if _HARDWARE_SINCOS:
         sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r],
                                         dtype=tl.float32, is_pure=True, pack=1)
@@ -263,18 +265,20 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
         mask_p = mask_th & (offs_p < head_dim)[None, None, :]
         x_pass = tl.load(x_base + offs_p[None, None, :] * stride_x_dim, mask=mask_p)
 
-    # Positions and cos/sin, shared by all heads of the tile.
-    in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
-                             seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq,
-                             stride_pos_batch, SEARCH_LEVELS, IS_THD, HAS_START, POSITIONS_FROM)
-    if ANGLES_FROM_POSITIONS:
-        cos1, cos2, sin_a, sin_b = _rotation_from_positions(
-            FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale, n_axes, half, stride_pos_axis,
-            compute_dtype, BLOCK_HALF, BACKWARD, POSITIONS_FROM)
+    # Positions and cos/sin depend on the token (and pair) only: worked out once for the
+    # tile's tokens and shared by its heads.
+    in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
+        FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
+        seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes, rotary_dim,
+        stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq, stride_pos_batch,
+        compute_dtype, BLOCK_T, BLOCK_HALF, SEARCH_LEVELS, BLOCK_H > 1, IS_THD, HAS_START,
+        INTERLEAVED, ANGLES_FROM_POSITIONS, POSITIONS_FROM)
+    cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
+    # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b: the forward, or its transpose.
+    if BACKWARD:
+        sin_a, sin_b = -sin2[:, None, :], -sin1[:, None, :]
     else:
-        cos1, cos2, sin_a, sin_b = _rotation_from_table(
-            FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
-            compute_dtype, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD)
+        sin_a, sin_b = sin1[:, None, :], sin2[:, None, :]
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))
@@ -402,13 +406,80 @@ def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, se
 
 
 @triton.jit
+def _tile_angles(FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
+                 seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes, rotary_dim,
+                 stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
+                 stride_pos_batch, compute_dtype: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, SEARCH_LEVELS: tl.constexpr, SHARED: tl.constexpr,
+                 IS_THD: tl.constexpr, HAS_START: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 ANGLES_FROM_POSITIONS: tl.constexpr, POSITIONS_FROM: tl.constexpr):
+    """(in_seq, cos1, cos2, sin1, sin2) of the tile's tokens: whether each lies inside a
+    sequence (`_positions`), and [T, K] cos and sin of the angles of both members of each pair.
+
+    SHARED (a tile of several heads): these are worked out once per token (and pair) across
+    the program's threads, then handed to the threads that hold each head. Left alone,
+    Triton recomputes values in the layout of the tile that consumes them (it
+    rematerializes producers that look cheap rather than move values between threads), so
+    that every thread would run the thd search and sin/cos for all pairs of its own
+    channels, once per head row it shares with other threads: several times the arithmetic
+    of the loads and stores it has to hide behind. Triton never rematerializes the results of
+    a `while` loop: worked out inside one-trip loops, positions and angles keep layouts of
+    their own (one token per thread for the search, one (token, pair) for sin/cos) and reach
+    the tile's through shared memory."""
+    if SHARED:
+        in_seq = tok >= 0
+        pos = tok.to(tl.int64)
+        trips = 0
+        while trips < 1:
+            in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx,
+                                     batch_idx, seq_len, num_seqs, cp_size, cp_rank,
+                                     stride_pos_seq, stride_pos_batch, SEARCH_LEVELS, IS_THD,
+                                     HAS_START, POSITIONS_FROM)
+            trips += 1
+        cos1 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+        sin1 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+        if ANGLES_FROM_POSITIONS:
+            trips = 0
+            while trips < 1:
+                cos1, sin1 = _rotation_from_positions(FREQS, PAIR_AXIS, POSITIONS, pos,
+                                                      angle_scale, n_axes, rotary_dim // 2,
+                                                      stride_pos_axis, compute_dtype,
+                                                      BLOCK_HALF, POSITIONS_FROM)
+                trips += 1
+            cos2, sin2 = cos1, sin1
+        else:
+            cos2 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+            sin2 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+            trips = 0
+            while trips < 1:
+                cos1, cos2, sin1, sin2 = _rotation_from_table(
+                    FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
+                    compute_dtype, BLOCK_T, BLOCK_HALF, INTERLEAVED)
+                trips += 1
+    else:
+        in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
+                                 seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq,
+                                 stride_pos_batch, SEARCH_LEVELS, IS_THD, HAS_START,
+                                 POSITIONS_FROM)
+        if ANGLES_FROM_POSITIONS:
+            cos1, sin1 = _rotation_from_positions(FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale,
+                                                  n_axes, rotary_dim // 2, stride_pos_axis,
+                                                  compute_dtype, BLOCK_HALF, POSITIONS_FROM)
+            cos2, sin2 = cos1, sin1
+        else:
+            cos1, cos2, sin1, sin2 = _rotation_from_table(FREQS, pos, freqs_len, rotary_dim,
+                                                          stride_freqs_seq, stride_freqs_dim,
+                                                          compute_dtype, BLOCK_T, BLOCK_HALF,
+                                                          INTERLEAVED)
+    return in_seq, cos1, cos2, sin1, sin2
+
+
+@triton.jit
 def _rotation_from_table(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
                          compute_dtype: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                         BACKWARD: tl.constexpr):
-    """cos/sin factors [P, 1, K] of both pair members for the P positions `pos`, read from
-    the angle table: (cos1, cos2, sin_a, sin_b) such that out1 = x1*cos1 - x2*sin_a and
-    out2 = x2*cos2 + x1*sin_b (the forward, or its transpose)."""
+                         BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(cos1, cos2, sin1, sin2) [P, K] of the angles of both pair members for the P
+    positions `pos`, read from the angle table."""
     half = rotary_dim // 2
     # A position outside freqs has no defined rotation: NaN, and its row is never read.
     pos_ok = (pos >= 0) & (pos < freqs_len)
@@ -431,23 +502,20 @@ def _rotation_from_table(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, st
     else:
         sin1, cos1 = _table_sincos(f1)
         sin2, cos2 = _table_sincos(f2)
-    cos1 = tl.where(pos_ok[:, None], cos1, _nan())[:, None, :]
-    cos2 = tl.where(pos_ok[:, None], cos2, _nan())[:, None, :]
-    if BACKWARD:
-        return cos1, cos2, -sin2[:, None, :], -sin1[:, None, :]
-    return cos1, cos2, sin1[:, None, :], sin2[:, None, :]
+    cos1 = tl.where(pos_ok[:, None], cos1, _nan())
+    cos2 = tl.where(pos_ok[:, None], cos2, _nan())
+    return cos1, cos2, sin1, sin2
 
 
 @triton.jit
 def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, n_axes, half,
                              stride_pos_axis, compute_dtype: tl.constexpr,
-                             BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
-                             POSITIONS_FROM: tl.constexpr):
-    """cos/sin factors [P, 1, K] (as `_rotation_from_table` returns them) for angles
-    pos * inv_freq[k], both members of pair k sharing the angle, times angle_scale.
+                             BLOCK_HALF: tl.constexpr, POSITIONS_FROM: tl.constexpr):
+    """(cos, sin) [P, K] of the angles pos * inv_freq[k] (both members of pair k share
+    them), times angle_scale.
 
     The product of the integer position and the float32 inverse frequency is kept exact as
-    hi + lo (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
+    hi - err (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
     exactly; NaN beyond) and reduced modulo pi without rounding it first
     (`_exact_angle_sincos`)."""
     offs_k = tl.arange(0, BLOCK_HALF)
@@ -470,13 +538,11 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, n
         # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
         pf = tl.where(tl.abs(p) < _FAST_REDUCTION_LIMIT, p.to(tl.float32), _nan())
         hi = pf * inv_freq[None, :]
-        lo = tl.fma(pf, inv_freq[None, :], -hi)
-        sin, cos = _exact_angle_sincos(hi, lo)
-    sin = (sin * angle_scale)[:, None, :]
-    cos = (cos * angle_scale)[:, None, :]
-    if BACKWARD:
-        return cos, cos, -sin, -sin
-    return cos, cos, sin, sin
+        # hi - pf * inv_freq exactly: written so, not as fma(pf, inv_freq, -hi), because the
+        # compiler turns -hi into a second product of -pf and inv_freq.
+        err = tl.fma(-pf, inv_freq[None, :], hi)
+        sin, cos = _exact_angle_sincos(hi, err)
+    return cos * angle_scale, sin * angle_scale
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank",
@@ -589,11 +655,14 @@ _INT32_MAX = 2**31 - 1
 # would remain.
 MIN_TILE_ELEMENTS = 2048
 MAX_TILE_ELEMENTS = 8192
-NUM_WARPS = 2
+NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
 # thd tiles whose tokens search cu_seqlens for their sequence hold at least this many: more
 # tokens per program, more of their (latency-bound) searches in flight at once.
 SEARCH_TILE_ELEMENTS = 4096
+# Fused-QKV query tiles hold at least this many: its programs also copy the value heads and
+# pick q, k or v by program id, work that smaller tiles repeat more often.
+QKV_TILE_ELEMENTS = 4096
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 INTERPRETER_TILE_ELEMENTS = 1 << 16
 INTERPRETER_MIN_PROGRAMS = 0
@@ -606,7 +675,8 @@ def _interpreting() -> bool:
 def _launch_rule():
     """The constants `launch_config` reads; part of every plan's key."""
     return (MIN_TILE_ELEMENTS, MAX_TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS_PER_SM,
-            SEARCH_TILE_ELEMENTS, INTERPRETER_TILE_ELEMENTS, INTERPRETER_MIN_PROGRAMS, _interpreting())
+            SEARCH_TILE_ELEMENTS, QKV_TILE_ELEMENTS, INTERPRETER_TILE_ELEMENTS,
+            INTERPRETER_MIN_PROGRAMS, _interpreting())
 
 
 class RopeShape(NamedTuple):
@@ -877,11 +947,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, searching=False):
+def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, min_tile=None):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
     autotuning). Large inputs get one tile shape whatever their length; only inputs too small
     to give every SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled
-    variants)."""
+    variants). `min_tile`: the fewest elements a tile holds (MIN_TILE_ELEMENTS unless given)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
@@ -891,19 +961,12 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, searc
         min_programs = INTERPRETER_MIN_PROGRAMS
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        min_tile = SEARCH_TILE_ELEMENTS if searching else MIN_TILE_ELEMENTS
+        min_tile = MIN_TILE_ELEMENTS if min_tile is None else min_tile
         max_tile = MAX_TILE_ELEMENTS
         min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
     block_h = min(triton.next_power_of_2(shape.nheads), _pow2_floor(max_tile // row))
     max_block_t = triton.next_power_of_2(shape.num_tokens)
     block_t = min(max_block_t, _pow2_floor(min_tile // (row * block_h)))
-    # Triton keeps the tile's [BLOCK_T, BLOCK_HALF] angles one per thread only when there
-    # are at least as many as threads; with fewer, every thread recomputes sin/cos for its own
-    # channels (several times the instructions in the SASS), which a tile of up to 2 * MIN_TILE_ELEMENTS
-    # cannot hide, so such tiles get more tokens.
-    while (block_t * block_half < 32 * NUM_WARPS and block_t * block_h * row < 2 * min_tile
-           and block_t < max_block_t):
-        block_t *= 2
 
     def programs():
         return triton.cdiv(shape.num_tokens, block_t) * triton.cdiv(shape.nheads, block_h)
@@ -1088,7 +1151,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     grid, meta = launch_config(shape, t.device, copy_pass=not in_place,
-                               searching=is_thd and positions is None)
+                               min_tile=SEARCH_TILE_ELEMENTS if is_thd and positions is None else None)
     freqs_len, scale = _source_scalars(source)
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
                shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale, source.n_axes,
@@ -1226,7 +1289,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
     grid, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
-                               copy_pass=True)
+                               copy_pass=True, min_tile=QKV_TILE_ELEMENTS)
     row = 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"]
     block_v = triton.next_power_of_2(v_dim)
     block_kv = min(meta["BLOCK_H"], triton.next_power_of_2(kv_heads))
