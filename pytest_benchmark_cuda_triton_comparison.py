@@ -2965,17 +2965,18 @@ def _flash_line(apply_rotary, x, freqs, cu_seqlens=None, max_seqlen=None):
         2 * x.nbytes)
 
 
-def _liger_line(entry, q_storage, k_storage, freqs):
-    """Liger on q and k given as [b, s, h, d] storage. Its layout is Hugging Face's: [b, h, s, d]
-    views of that storage (a contiguous [b, h, s, d] would cost it a copy), cos/sin
-    [1, s, d] in q's dtype. It rotates q and k in place, forward and backward, in one launch."""
-    liger, rope_forward, rope_backward = entry
+def _liger_line(entry, q_storage, k_storage, angles, *extra):
+    """Liger (its rope, or its qwen2vl_mrope with extra = (mrope_section,)) on q and k given as
+    [b, s, h, d] storage. Its layout is Hugging Face's: [b, h, s, d] views of that storage (a
+    contiguous [b, h, s, d] would cost it a copy), cos/sin of `angles` in q's dtype ([1, s, d],
+    or [3, b, s, d] for M-RoPE: each axis' angles at that axis' positions). It rotates q and k
+    in place, forward and backward, in one launch."""
+    liger, forward, backward = entry
     q, k = q_storage.transpose(1, 2), k_storage.transpose(1, 2)
-    angles = freqs.view(1, freqs.shape[0], -1)
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
     return _Line(
-        lambda: rope_forward(q, k, cos, sin), lambda: rope_backward(q, k, cos, sin),
-        lambda: _autograd_step(lambda a, b: tuple(liger.apply(a, b, cos, sin)[:2]), (q, k)),
+        lambda: forward(q, k, cos, sin, *extra), lambda: backward(q, k, cos, sin, *extra),
+        lambda: _autograd_step(lambda a, b: tuple(liger.apply(a, b, cos, sin, *extra)), (q, k)),
         2 * (q.nbytes + k.nbytes))
 
 
@@ -3043,7 +3044,7 @@ def _model_workload(point, dtype, shrink=1):
         skipped.setdefault("liger", "key tensor: liger rotates it with the query, at the query point")
     elif "liger" in peers:
         lines["liger"] = _liger_line(peers["liger"], new(1, tokens, heads, d), new(1, tokens, point["kv"], d),
-                                     freqs)
+                                     freqs.view(1, freqs.shape[0], -1))
     return dict(x=x, lines=lines, skipped=skipped)
 
 
@@ -3091,26 +3092,11 @@ def _mrope_workload(point, dtype, shrink, peers, skipped):
     if point["layout"] == "thd":
         skipped.setdefault("liger_mrope", "no varlen (cu_seqlens) entry point")
     elif "liger_mrope" in peers:
-        lines["liger_mrope"] = _liger_mrope_line(peers["liger_mrope"], x.view(1, tokens, heads, d),
-                                                 new(1, tokens, point["kv"], d), rope, pos,
-                                                 point["mrope"])
+        angles = pos[:, None, :, None].float() * rope.inv_freq              # [3, 1, s, d/2]
+        lines["liger_mrope"] = _liger_line(peers["liger_mrope"], x.view(1, tokens, heads, d),
+                                           new(1, tokens, point["kv"], d),
+                                           torch.cat([angles, angles], dim=-1), list(point["mrope"]))
     return dict(x=x, lines=lines, skipped=skipped)
-
-
-def _liger_mrope_line(entry, q_storage, k_storage, rope, pos, section):
-    """Liger's M-RoPE on q and k given as [b, s, h, d] storage, in its (Hugging Face's) layout:
-    [b, h, s, d] views, cos/sin [3, b, s, d] in q's dtype (each axis' cos/sin at that axis'
-    positions), rotated in place in one launch."""
-    liger, forward, backward = entry
-    q, k = q_storage.transpose(1, 2), k_storage.transpose(1, 2)
-    angles = pos[:, None, :, None].float() * rope.inv_freq                  # [3, 1, s, d/2]
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-    section = list(section)
-    return _Line(
-        lambda: forward(q, k, cos, sin, section), lambda: backward(q, k, cos, sin, section),
-        lambda: _autograd_step(lambda a, b: tuple(liger.apply(a, b, cos, sin, section)), (q, k)),
-        2 * (q.nbytes + k.nbytes))
 
 
 def _graphed(step):
@@ -3509,8 +3495,8 @@ def _write_gpus_summary():
     if keys:
         with_models = [g for g in gpus if tables[g]]
         lines += ["## models: fraction of copy speed", "",
-                  "Per GPU: Triton (freqs table) / Triton (positions) / best peer (liger or flash-attn, "
-                  "by fraction) / a plain Triton copy kernel of the same bytes. `-`: not measured or "
+                  "Per GPU: Triton (freqs table) / Triton (positions) / best peer (liger, liger_mrope or "
+                  "flash-attn, by fraction) / a plain Triton copy kernel of the same bytes. `-`: not measured or "
                   "the path raised.", "",
                   "| point | dtype | mode | " + " | ".join(with_models) + " |",
                   "|---|---|---|" + "---|" * len(with_models)]
