@@ -895,13 +895,12 @@ def test_other_launch_configs(monkeypatch, tile, min_programs):
     thd sequences), tails of the token grid, and tiles shrunk to give a big GPU enough
     programs: all give the same result."""
     if ON_GPU:
-        monkeypatch.setattr(triton_rotary_kernel, "MIN_TILE_ELEMENTS", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "SEARCH_TILE_ELEMENTS", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "QKV_TILE_ELEMENTS", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "MAX_TILE_ELEMENTS", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "SEARCH_TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "QKV_TILE_BYTES", tile)
         monkeypatch.setattr(triton_rotary_kernel, "MIN_PROGRAMS_PER_SM", min_programs)
     else:
-        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_TILE_ELEMENTS", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_TILE_BYTES", tile)
         monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_MIN_PROGRAMS", min_programs)
     torch.manual_seed(9)
     for interleaved in (False, True):
@@ -921,6 +920,15 @@ def test_other_launch_configs(monkeypatch, tile, min_programs):
         _compare_qkv(qkv, freqs, freqs * 0.5, split)
 
 
+def test_program_grid_orders_head_programs_next_to_each_other():
+    """One program per token block: the 2-D grid, no division in the kernel; several: one axis,
+    the head programs of a token block adjacent; more programs than a launch takes: ValueError."""
+    assert triton_rotary_kernel._program_grid(7, 1) == ((7, 1), False)
+    assert triton_rotary_kernel._program_grid(7, 3) == ((21, 1), True)
+    with pytest.raises(ValueError, match="programs; a launch takes at most"):
+        triton_rotary_kernel._program_grid(2**30, 2)
+
+
 def test_repeated_calls_and_misaligned_views():
     """Calls with the same metadata reuse one launch plan (on a GPU: the compiled kernel called
     directly), and a view whose data starts off 16-byte alignment gets a kernel of its own:
@@ -938,17 +946,32 @@ def test_repeated_calls_and_misaligned_views():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter launches through Triton's JIT only")
-def test_launches_after_the_first_use_the_compiled_kernels_runner():
-    """After a plan's first launch, later calls go through CompiledKernel.__getitem__'s runner
-    (the fast path), and their results equal the first call's."""
+def test_launches_after_the_first_use_the_compiled_kernels_launcher():
+    """After a plan's first launch, later calls go to the compiled kernel's C launcher directly
+    (the fast path), and their results equal the first call's; while a launch hook is
+    registered (as profilers do) they go through Triton's runner, which calls it."""
+    from triton import knobs
     torch.manual_seed(23)
     t = torch.randn(9, 2, 3, 32, device=DEVICE)
     freqs = RotaryPositionEmbedding(32, device=DEVICE)(9)
     first = set_rotary_kernel(t, freqs)
-    plans = [p for p in triton_rotary_kernel._PLANS.values() if p.launch is not None
-             and p.launch.fn is triton_rotary_kernel.rotary_kernel and p.launch.runners]
-    assert plans, "no plan holds a runner: every launch went through Triton's JIT"
+    runners = [r for p in triton_rotary_kernel._PLANS.values() if p.launch is not None
+               and p.launch.fn is triton_rotary_kernel.rotary_kernel for r in p.launch.runners.values()]
+    assert runners, "no plan holds a launcher: every launch went through Triton's JIT"
+    assert all(r.direct for r in runners), "the direct launch did not engage"
     assert torch.equal(set_rotary_kernel(t, freqs), first)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert torch.equal(set_rotary_kernel(t, freqs), first)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["rotary_kernel"], seen
+    assert torch.equal(set_rotary_kernel(t, freqs), first)
+    assert len(seen) == 1
 
 
 def test_result_does_not_depend_on_batch():
@@ -1409,13 +1432,12 @@ def test_launch_rule_changes_make_new_plans(monkeypatch):
     call()
     call()
     assert len(calls) == 1
-    changes = ([("INTERPRETER_TILE_ELEMENTS", 128), ("INTERPRETER_TILE_ELEMENTS", 64),
+    changes = ([("INTERPRETER_TILE_BYTES", 512), ("INTERPRETER_TILE_BYTES", 256),
                 ("INTERPRETER_MIN_PROGRAMS", 1000)] if not ON_GPU else
-               [("MIN_TILE_ELEMENTS", 32), ("MAX_TILE_ELEMENTS", 32), ("MIN_PROGRAMS_PER_SM", 1000)])
-    changes += [("SEARCH_TILE_ELEMENTS", 128), ("QKV_TILE_ELEMENTS", 128)]
-    changes += [("NUM_WARPS", 1), ("MIN_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 64),
-                ("MAX_TILE_ELEMENTS" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7),
-                ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_TILE_ELEMENTS", 3)]
+               [("TILE_BYTES", 128), ("TILE_BYTES", 64), ("MIN_PROGRAMS_PER_SM", 1000)])
+    changes += [("SEARCH_TILE_BYTES", 512), ("QKV_TILE_BYTES", 512)]
+    changes += [("NUM_WARPS", 1), ("TILE_BYTES" if not ON_GPU else "INTERPRETER_TILE_BYTES", 64),
+                ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7)]
     for number, (name, value) in enumerate(changes, start=2):
         monkeypatch.setattr(triton_rotary_kernel, name, value)
         call()

@@ -77,7 +77,8 @@ _INV_PI_LO = tl.constexpr(1.2841276486597053e-08)
 # sin.approx.f32 / cos.approx.f32); the interpreter cannot run PTX and takes numpy's sin/cos
 # of the same reduced angle. TRITON_INTERPRET must be set before this module is imported
 # (Triton itself reads it at import too).
-_HARDWARE_SINCOS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_HARDWARE_SINCOS = tl.constexpr(not _INTERPRETING)
 
 
 @triton.jit
@@ -183,10 +184,18 @@ def rotary_kernel(
     ANGLES_FROM_POSITIONS: tl.constexpr,  # FREQS is inv_freq [d2/2], else the table [s2, d2]
     POSITIONS_FROM: tl.constexpr,         # IMPLICIT_POSITIONS, POSITIONS_TENSOR, ...
     SEARCH_LEVELS: tl.constexpr,  # thd: steps of the search over cu_seqlens, see _search_levels
+    FLAT_GRID: tl.constexpr,      # head blocks and token blocks share axis 0, see _program_grid
 ):
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if FLAT_GRID:
+        head_blocks = tl.cdiv(nheads, BLOCK_H)
+        tok_block = tl.program_id(0) // head_blocks
+        head_block = tl.program_id(0) - tok_block * head_blocks
+    else:
+        tok_block = tl.program_id(0)
+        head_block = tl.program_id(1)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     _rope_tile(
-        OUT=OUT, X=X, FREQS=FREQS, PAIR_AXIS=PAIR_AXIS, POSITIONS=POSITIONS,
+        tok_block=tok_block, OUT=OUT, X=X, FREQS=FREQS, PAIR_AXIS=PAIR_AXIS, POSITIONS=POSITIONS,
         START_POSITIONS=START_POSITIONS, CU_SEQLENS=CU_SEQLENS,
         heads=heads, nheads=nheads, heads_per_group=1,
         stride_x_seq=stride_x_seq, stride_x_batch=stride_x_batch, stride_x_group=stride_x_head,
@@ -208,7 +217,7 @@ def rotary_kernel(
 
 
 @triton.jit
-def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
+def _rope_tile(tok_block, OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
                heads, nheads, heads_per_group,
                stride_x_seq, stride_x_batch, stride_x_group, stride_x_head, stride_x_dim,
                stride_out_seq, stride_out_batch, stride_out_group, stride_out_head, stride_out_dim,
@@ -228,8 +237,8 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
     (j % heads_per_group) * stride_head: j * stride_head for ordinary tensors
     (heads_per_group = 1); the query heads of a packed [.., kv_heads, q|k|v] tensor otherwise.
     """
-    tok, tok_ok, seq_idx, batch_idx = _program_tokens(num_tokens, seq_len, batch, BLOCK_T, IS_THD,
-                                                      SEQ_MAJOR)
+    tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, num_tokens, seq_len, batch,
+                                                      BLOCK_T, IS_THD, SEQ_MAJOR)
     mask_th = tok_ok[:, None, None] & (heads < nheads)[None, :, None]      # [T, H, 1]
     if WIDE_INNER:
         heads = heads.to(tl.int64)
@@ -301,11 +310,11 @@ def _rope_tile(OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
 
 
 @triton.jit
-def _program_tokens(num_tokens, seq_len, batch, BLOCK_T: tl.constexpr, IS_THD: tl.constexpr,
-                    SEQ_MAJOR: tl.constexpr):
-    """The program's BLOCK_T token indices (clamped into range), which of them are real, and
-    their (sequence, batch) indices."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _program_tokens(tok_block, num_tokens, seq_len, batch, BLOCK_T: tl.constexpr,
+                    IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr):
+    """The BLOCK_T token indices of token block `tok_block` (clamped into range), which of
+    them are real, and their (sequence, batch) indices."""
+    tok = tok_block * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     tok = tl.minimum(tok, num_tokens - 1)
     seq_idx, batch_idx = _token_coords(tok, seq_len, batch, IS_THD, SEQ_MAJOR)
@@ -571,15 +580,23 @@ def rotary_qkv_kernel(
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, SEQ_MAJOR: tl.constexpr,
     HAS_START: tl.constexpr, WIDE_INNER: tl.constexpr,
     ANGLES_FROM_POSITIONS: tl.constexpr, POSITIONS_FROM: tl.constexpr,
+    FLAT_GRID: tl.constexpr,
 ):
-    """Fused QKV: one launch for q, k and v. Programs along axis 1 first cover the query
-    heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS), each
-    with its value heads copied through."""
-    pid_h = tl.program_id(1)
+    """Fused QKV: one launch for q, k and v. The head programs of a token block first cover
+    the query heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS),
+    each with its value heads copied through."""
+    if FLAT_GRID:
+        head_programs = q_programs + tl.cdiv(kv_heads, BLOCK_KV)
+        tok_block = tl.program_id(0) // head_programs
+        pid_h = tl.program_id(0) - tok_block * head_programs
+    else:
+        tok_block = tl.program_id(0)
+        pid_h = tl.program_id(1)
     if pid_h < q_programs:
         q_heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         _rope_tile(
-            OUT=Q_OUT, X=Q_IN, FREQS=Q_FREQS, PAIR_AXIS=Q_PAIR_AXIS, POSITIONS=POSITIONS,
+            tok_block=tok_block, OUT=Q_OUT, X=Q_IN, FREQS=Q_FREQS, PAIR_AXIS=Q_PAIR_AXIS,
+            POSITIONS=POSITIONS,
             START_POSITIONS=START_POSITIONS, CU_SEQLENS=START_POSITIONS,   # no thd: unused
             heads=q_heads, nheads=kv_heads * q_per_kv, heads_per_group=q_per_kv,
             stride_x_seq=stride_qin_seq, stride_x_batch=stride_qin_batch,
@@ -603,8 +620,8 @@ def rotary_qkv_kernel(
         # alone would be a small program (a quarter of a query tile under 4:1 GQA). The values
         # are loaded first and stored last, so that their loads overlap the key tile's.
         k_heads = (pid_h - q_programs) * BLOCK_KV + tl.arange(0, BLOCK_KV)
-        tok, tok_ok, seq_idx, batch_idx = _program_tokens(num_tokens, seq_len, batch, BLOCK_T,
-                                                          False, SEQ_MAJOR)
+        tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, num_tokens, seq_len, batch,
+                                                          BLOCK_T, False, SEQ_MAJOR)
         v_heads = k_heads
         dims = tl.arange(0, BLOCK_V)
         if WIDE_INNER:
@@ -616,7 +633,8 @@ def rotary_qkv_kernel(
                           v_heads * stride_vin_head)
         v = tl.load(v_in + (dims * stride_vin_dim)[None, None, :], mask=mask_v)
         _rope_tile(
-            OUT=K_OUT, X=K_IN, FREQS=K_FREQS, PAIR_AXIS=K_PAIR_AXIS, POSITIONS=POSITIONS,
+            tok_block=tok_block, OUT=K_OUT, X=K_IN, FREQS=K_FREQS, PAIR_AXIS=K_PAIR_AXIS,
+            POSITIONS=POSITIONS,
             START_POSITIONS=START_POSITIONS, CU_SEQLENS=START_POSITIONS,   # no thd: unused
             heads=k_heads, nheads=kv_heads, heads_per_group=1,
             stride_x_seq=stride_kin_seq, stride_x_batch=stride_kin_batch,
@@ -648,35 +666,34 @@ TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-# Launch rule (README, "Results and analysis"). A program rotates one tile: all heads of one
-# token up to MAX_TILE_ELEMENTS channels (else a power-of-two group of them), widened to
-# several tokens while it holds fewer than MIN_TILE_ELEMENTS, with NUM_WARPS warps. Tiles
+# Launch rule (README, "Results and analysis"). A program rotates a tile of whole (token, head)
+# rows, about TILE_BYTES of them: the fewest heads of one token that hold TILE_BYTES, or all
+# its heads and then as many tokens as it takes, with NUM_WARPS warps. At 4 warps a tile of
+# 4 KiB has each thread load one 16-byte vector of each half of the rotated channels. Tiles
 # shrink (tokens first, then heads) while fewer than MIN_PROGRAMS_PER_SM programs per SM
 # would remain.
-MIN_TILE_ELEMENTS = 2048
-MAX_TILE_ELEMENTS = 8192
+TILE_BYTES = 4096
 NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
-# thd tiles whose tokens search cu_seqlens for their sequence hold at least this many: more
-# tokens per program, more of their (latency-bound) searches in flight at once.
-SEARCH_TILE_ELEMENTS = 4096
-# Fused-QKV query tiles hold at least this many: its programs also copy the value heads and
-# pick q, k or v by program id, work that smaller tiles repeat more often.
-QKV_TILE_ELEMENTS = 4096
+# thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
+# program, more of their (latency-bound) searches in flight at once.
+SEARCH_TILE_BYTES = 8192
+# Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
+# or v by program id, work that smaller tiles repeat more often.
+QKV_TILE_BYTES = 8192
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
-INTERPRETER_TILE_ELEMENTS = 1 << 16
+INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETING
 
 
 def _launch_rule():
     """The constants `launch_config` reads; part of every plan's key."""
-    return (MIN_TILE_ELEMENTS, MAX_TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS_PER_SM,
-            SEARCH_TILE_ELEMENTS, QKV_TILE_ELEMENTS, INTERPRETER_TILE_ELEMENTS,
-            INTERPRETER_MIN_PROGRAMS, _interpreting())
+    return (TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
+            INTERPRETER_TILE_BYTES, INTERPRETER_MIN_PROGRAMS, _interpreting())
 
 
 class RopeShape(NamedTuple):
@@ -947,26 +964,26 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, min_tile=None):
+def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
+                  tile_bytes=None):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
     autotuning). Large inputs get one tile shape whatever their length; only inputs too small
     to give every SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled
-    variants). `min_tile`: the fewest elements a tile holds (MIN_TILE_ELEMENTS unless given)."""
+    variants). `tile_bytes`: the data a tile holds (TILE_BYTES unless given)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
-    row = 2 * block_half + block_pass                   # channels of one (token, head) in a tile
+    row_bytes = (shape.rotary_dim + pass_dims) * element_size   # one (token, head) of a tile
     if _interpreting():
-        min_tile = max_tile = INTERPRETER_TILE_ELEMENTS
+        tile_bytes = INTERPRETER_TILE_BYTES
         min_programs = INTERPRETER_MIN_PROGRAMS
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        min_tile = MIN_TILE_ELEMENTS if min_tile is None else min_tile
-        max_tile = MAX_TILE_ELEMENTS
+        tile_bytes = TILE_BYTES if tile_bytes is None else tile_bytes
         min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
-    block_h = min(triton.next_power_of_2(shape.nheads), _pow2_floor(max_tile // row))
-    max_block_t = triton.next_power_of_2(shape.num_tokens)
-    block_t = min(max_block_t, _pow2_floor(min_tile // (row * block_h)))
+    rows = triton.next_power_of_2(triton.cdiv(tile_bytes, row_bytes))
+    block_h = min(triton.next_power_of_2(shape.nheads), rows)
+    block_t = min(triton.next_power_of_2(shape.num_tokens), max(1, rows // block_h))
 
     def programs():
         return triton.cdiv(shape.num_tokens, block_t) * triton.cdiv(shape.nheads, block_h)
@@ -981,6 +998,23 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, min_t
     return grid, meta
 
 
+_MAX_GRID_X = 2**31 - 1
+
+
+def _program_grid(token_blocks: int, head_programs: int):
+    """(grid, FLAT_GRID) for token_blocks x head_programs programs. Several programs per token
+    block go on one grid axis, those of a token block next to each other, so that a token's
+    heads are rotated at about the same time and memory is walked in order (on axis 1 they
+    would come a whole pass over the tokens apart). One program per token block needs no
+    division of the program id."""
+    if head_programs == 1:
+        return (token_blocks, 1), False
+    if token_blocks * head_programs > _MAX_GRID_X:
+        raise ValueError(f"t needs {token_blocks * head_programs} programs; a launch takes at "
+                         f"most {_MAX_GRID_X}")
+    return (token_blocks * head_programs, 1), True
+
+
 def _search_levels(num_seqs: int) -> int:
     """Steps of the thd search: SEARCH_FAN ** levels > num_seqs (indices 0..num_seqs), and at
     least 2: with one step, LLVM's SLP vectorizer in Triton 3.6 aborts on some tiles (an
@@ -991,36 +1025,64 @@ def _search_levels(num_seqs: int) -> int:
     return levels
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
 _WARNED_NO_RUNNER = []
 
 
+def _warn_once(message):
+    if not _WARNED_NO_RUNNER:
+        _WARNED_NO_RUNNER.append(message)
+        warnings.warn(f"triton_rotary: Triton {triton.__version__} {message}", RuntimeWarning,
+                      stacklevel=4)
+
+
 def _compiled_runner(kernel, grid):
-    """Triton's runner for a compiled kernel and a grid (`CompiledKernel.__getitem__`, what
-    Triton's JIT launches through after binding the arguments), or None, with one warning, on
-    a Triton whose compiled kernels have none."""
+    """A launcher for a compiled kernel and a grid, or None, with one warning, on a Triton
+    whose compiled kernels have no runner.
+
+    Triton's runner (`CompiledKernel.__getitem__`, what Triton's JIT launches through after
+    binding the arguments) looks up the stream and builds launch metadata for launch hooks
+    (profilers register them) before calling the kernel's C launcher, `CompiledKernel.run`.
+    While no hook is registered, the launcher returned here calls `run` directly, without
+    metadata; otherwise it calls the runner. `direct` says whether it can call `run`."""
     try:
-        return kernel[(grid[0], grid[1], 1)]
+        runner = kernel[(grid[0], grid[1], 1)]
     except (TypeError, AttributeError, KeyError) as err:
-        if not _WARNED_NO_RUNNER:
-            _WARNED_NO_RUNNER.append(err)
-            warnings.warn(f"triton_rotary: Triton {triton.__version__} gives no runner for a "
-                          f"compiled kernel ({err!r}); every launch goes through Triton's JIT, "
-                          f"which costs more CPU time per call", RuntimeWarning, stacklevel=3)
+        _warn_once(f"gives no runner for a compiled kernel ({err!r}); every launch goes through "
+                   f"Triton's JIT, which costs more CPU time per call")
         return None
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+        hooks = knobs.runtime
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+        get_stream, device = driver.active.get_current_stream, driver.active.get_current_device()
+        enter.calls, leave.calls            # noqa: B018 (hook chains: lists of hooks)
+    except (ImportError, AttributeError) as err:
+        _warn_once(f"lacks a part of the direct launch ({err!r}); launches go through Triton's "
+                   f"runner, which costs more CPU time per call")
+        runner.direct = False
+        return runner
+    g0, g1 = grid
+
+    def launch(*args):
+        if (hooks.launch_enter_hook is enter and hooks.launch_exit_hook is leave
+                and not enter.calls and not leave.calls):
+            run(g0, g1, 1, get_stream(device), function, packed, None, None, None, *args)
+        else:
+            runner(*args)
+    launch.direct = True
+    return launch
 
 
 class _Launch:
     """One planned launch of a Triton kernel (grid, scalar arguments and constexprs fixed).
 
     The first call per device and pointer alignment (which Triton specializes on) goes
-    through Triton's JIT, which compiles or finds the kernel; later calls hand the compiled
-    kernel's runner the arguments directly, skipping the JIT's per-call binding and
-    specialization of ~40 arguments, which costs more CPU time than a small RoPE takes on
-    the GPU. `runners` holds them (tests check that it fills).
+    through Triton's JIT, which compiles or finds the kernel; later calls hand the arguments
+    to the compiled kernel's launcher (`_compiled_runner`), skipping the JIT's per-call binding
+    and specialization of ~40 arguments, which costs more CPU time than a small RoPE takes on
+    the GPU. `runners` holds the launchers (tests check that it fills).
     """
 
     def __init__(self, fn, grid, scalars, constexprs):
@@ -1030,11 +1092,11 @@ class _Launch:
         self.runners = {}
 
     def __call__(self, *tensors):
-        if _interpreting():
+        if _INTERPRETING:
             self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
             return
         key = (torch.cuda.current_device(),
-               *[x is not None and x.data_ptr() % 16 == 0 for x in tensors])
+               *[x is not None and not x.data_ptr() % 16 for x in tensors])
         runner = self.runners.get(key)
         if runner is not None:
             runner(*tensors, *self.scalars, *self.constexpr_values)
@@ -1064,11 +1126,10 @@ def _metadata_key(tensors, values):
     their types (so that 2 and 2.0, True and 1 are told apart), and the launch rule; None
     where an argument has no tensor metadata (the checks will say what is wrong with it)."""
     try:
-        meta = tuple([None if x is None else (x.shape, x.stride(), x.dtype, x.device)
-                      for x in tensors])
+        meta = [None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in tensors]
     except (AttributeError, TypeError):
         return None
-    return meta, values, tuple(map(type, values)), _launch_rule()
+    return (*meta, values, tuple([type(v) for v in values]), _launch_rule())
 
 
 def _typed(seq):
@@ -1111,7 +1172,8 @@ def _source_scalars(source):
 
 
 def _as_source(freqs, name):
-    """A table or module as an AngleSource; anything else is left for the checks to name."""
+    """A table or module as an AngleSource; anything else, an AngleSource included, is left
+    for the plan's checks (everything `_check_source` reads is part of the plan's key)."""
     if isinstance(freqs, torch.Tensor) or hasattr(freqs, "inv_freq"):
         return angle_source(freqs, name)
     return freqs
@@ -1151,7 +1213,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     grid, meta = launch_config(shape, t.device, copy_pass=not in_place,
-                               min_tile=SEARCH_TILE_ELEMENTS if is_thd and positions is None else None)
+                               element_size=t.element_size(),
+                               tile_bytes=SEARCH_TILE_BYTES if is_thd and positions is None else None)
     freqs_len, scale = _source_scalars(source)
     scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
                shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale, source.n_axes,
@@ -1164,6 +1227,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                       ANGLES_FROM_POSITIONS=source.from_positions,
                       POSITIONS_FROM=_positions_mode(source, positions),
                       SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0, **meta)
+    grid, constexprs["FLAT_GRID"] = _program_grid(*grid)
     return _Plan(_Launch(rotary_kernel, grid, scalars, constexprs))
 
 
@@ -1190,10 +1254,11 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     if isinstance(out, torch.Tensor) and out is not t and out.is_neg():
         raise ValueError("out must not have the negative bit")
     source = _as_source(freqs, "freqs")
-    start_positions, cu_seqlens, positions = map(_index_tensor, (start_positions, cu_seqlens, positions))
-    tensors = (t, source.angles if isinstance(source, AngleSource) else source,
-               getattr(source, "pair_axis", None), start_positions, cu_seqlens, positions,
-               None if out is t else out)
+    if start_positions is not None or cu_seqlens is not None or positions is not None:
+        start_positions, cu_seqlens, positions = map(_index_tensor,
+                                                      (start_positions, cu_seqlens, positions))
+    tensors = (t, getattr(source, "angles", source), getattr(source, "pair_axis", None),
+               start_positions, cu_seqlens, positions, None if out is t else out)
     key = _metadata_key(tensors, ("rope", tensor_format, interleaved, cp_size, cp_rank,
                                   backward, out is t, *_source_key(source)))
     plan = _cached_plan(key, lambda: _make_plan(t, source, tensor_format, start_positions,
@@ -1289,7 +1354,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
     grid, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
-                               copy_pass=True, min_tile=QKV_TILE_ELEMENTS)
+                               copy_pass=True, element_size=qkv.element_size(),
+                               tile_bytes=QKV_TILE_BYTES)
     row = 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"]
     block_v = triton.next_power_of_2(v_dim)
     block_kv = min(meta["BLOCK_H"], triton.next_power_of_2(kv_heads))
@@ -1311,8 +1377,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                       WIDE_INNER=widest > _INT32_MAX,
                       ANGLES_FROM_POSITIONS=q_source.from_positions,
                       POSITIONS_FROM=_positions_mode(q_source, positions), **meta)
-    return _Plan(_Launch(rotary_qkv_kernel, (grid[0], q_programs + k_programs), scalars,
-                         constexprs), split)
+    grid, constexprs["FLAT_GRID"] = _program_grid(grid[0], q_programs + k_programs)
+    return _Plan(_Launch(rotary_qkv_kernel, grid, scalars, constexprs), split)
 
 
 def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",

@@ -388,14 +388,14 @@ class RopeForwardAndBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, call):
         ctx.call = call
-        return _rope_launch(t, call)
+        return _rope_launch(t, call, call.transpose)
 
     @staticmethod
     def backward(ctx, grad_out):
-        call = ctx.call._replace(transpose=not ctx.call.transpose)
+        call = ctx.call
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
-            return RopeForwardAndBackward.apply(grad_out, call), None
-        return _rope_launch(grad_out, call), None
+            return RopeForwardAndBackward.apply(grad_out, call._replace(transpose=not call.transpose)), None
+        return _rope_launch(grad_out, call, not call.transpose), None
 
 
 def _source(angles, pair_axis, from_positions, n_axes, scale):
@@ -453,14 +453,15 @@ def _op_args(call):
             call.cp_size, call.cp_rank, call.positions)
 
 
-def _rope_launch(t, call: RopeCall):
+def _rope_launch(t, call: RopeCall, transpose: bool):
+    """`call` on t, its rotation transposed if `transpose` (the backward)."""
     if torch.compiler.is_compiling():
         check_layout(call.source, call.interleaved)     # the op's arguments drop the module's
-        return _rope_op(t, *_op_args(call), call.transpose)
+        return _rope_op(t, *_op_args(call), transpose)
     # Eager: call the launcher directly, sparing the dispatcher's per-call overhead.
     return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                             backward=call.transpose, positions=call.positions)
+                             transpose, None, call.positions)
 
 
 def token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
