@@ -974,6 +974,48 @@ def test_launches_after_the_first_use_the_compiled_kernels_launcher():
     assert len(seen) == 1
 
 
+# Compiles rotary_kernel for sm_90 (no GPU needed: Triton's own ptxas) in a fresh process, where
+# TRITON_INTERPRET is unset so that the kernel is a JIT function, and prints per tile the
+# number of sin.approx instructions in the PTX: PTX is one thread's code, so that is the sin/cos
+# each thread computes.
+_COUNT_SINCOS = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_rotary_kernel as K
+pointers = {"OUT": "*bf16", "X": "*bf16", "FREQS": "*fp32", "PAIR_AXIS": "*i32",
+            "POSITIONS": "*i64", "START_POSITIONS": "*i32", "CU_SEQLENS": "*i32"}
+for block_t, block_h in ((1, 16), (16, 1)):
+    constexprs = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=64, BLOCK_PASS=0,
+                      INTERLEAVED=False, BACKWARD=False, IS_THD=False, SEQ_MAJOR=True,
+                      HAS_START=False, WIDE_INNER=False, ANGLES_FROM_POSITIONS=True,
+                      POSITIONS_FROM=0, SEARCH_LEVELS=0, FLAT_GRID=False)
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "angle_scale" else "i32")
+                 for n in K.rotary_kernel.arg_names}
+    kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    print(block_t, block_h, len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])))
+"""
+
+
+def test_sin_cos_are_computed_once_per_program():
+    """The angles of a tile of several heads are worked out once across the program's threads
+    (`_tile_angles`' one-trip loops keep Triton from recomputing them in the tile's layout):
+    for 1 token x 16 heads x 64 pairs at 4 warps (128 threads, 64 angles), at most one sin per
+    thread. A one-head tile of 16 tokens x 64 pairs has 1024 angles, 8 per thread, and the
+    count says so (what the count measures)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COUNT_SINCOS], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = {(int(t), int(h)): int(n) for t, h, n in (line.split() for line in run.stdout.splitlines())}
+    assert counts[(16, 1)] == 8, counts
+    assert counts[(1, 16)] == 1, counts
+
+
 def test_result_does_not_depend_on_batch():
     """A token's output is bit-identical whether it is rotated alone or inside a large batch,
     although the two calls get different tiles and grids."""
