@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import re
+import statistics
 
 import pytest
 import torch
@@ -2705,6 +2706,21 @@ def test_more_than_2_pow_31_elements():
     torch.testing.assert_close(set_rotary_kernel(t, freqs)[-1:], expected_last)
 
 
+def test_kernels_overview_counts_kernel_modes_only():
+    """The cross-GPU summary's overview of the models sweep: kernels-alone modes only, fractions
+    from each row's own copy time, the best peer compared where there is one."""
+    def row(ms, copy_ms):
+        return dict(ms=ms, copy_ms=copy_ms)
+    table = {("a", "bf16", "forward_kernel"): dict(triton_positions=row(1.0, 0.99), triton=row(2.0, 1.0),
+                                                    flash_attn=row(1.0, 0.95)),
+             ("a", "bf16", "backward_kernel"): dict(triton_positions=row(1.0, 0.96)),
+             ("a", "bf16", "forward+backward"): dict(triton_positions=row(10.0, 1.0))}
+    overview = _kernels_overview(table)
+    assert overview["triton_positions"] == (2, 1, pytest.approx(0.975), pytest.approx(0.96), 1, 1)
+    assert overview["triton"] == (1, 0, pytest.approx(0.5), pytest.approx(0.5), 1, 0)
+    assert _kernels_overview({("a", "bf16", "forward+backward"): dict(triton=row(1.0, 1.0))})["triton"] is None
+
+
 # ---------------------------------------------------------------------------------------------
 # Benchmarks: python pytest_benchmark_cuda_triton_comparison.py [--sweeps a,b] [--dtypes bf16]
 # ---------------------------------------------------------------------------------------------
@@ -3533,6 +3549,31 @@ def _write_model_plots(out_dir):
             plt.close(fig)
 
 
+KERNEL_MODES = ("forward_kernel", "backward_kernel")
+
+
+def _kernels_overview(table):
+    """Per provider of ours, over the models point-modes timed as kernels alone: (point-modes,
+    how many reach TARGET_FRACTION, median, minimum, point-modes with a peer, how many of
+    those are at or above the best peer's fraction); None where a provider has no rows."""
+    overview = {}
+    for ours in OURS:
+        fractions, with_peer, at_peer = [], 0, 0
+        for (_, _, mode), rows in table.items():
+            frac = _fraction(rows.get(ours))
+            if mode not in KERNEL_MODES or frac is None:
+                continue
+            fractions.append(frac)
+            peers = [f for p in PEERS if (f := _fraction(rows.get(p))) is not None]
+            if peers:
+                with_peer += 1
+                at_peer += frac >= max(peers)
+        overview[ours] = (len(fractions), sum(f >= TARGET_FRACTION for f in fractions),
+                          statistics.median(fractions), min(fractions), with_peer,
+                          at_peer) if fractions else None
+    return overview
+
+
 def _write_gpus_summary():
     """artifacts/SUMMARY.md: the GPUs side by side, from every artifacts/<gpu>/results.json."""
     gpus = sorted(d for d in os.listdir(ARTIFACTS_ROOT)
@@ -3558,7 +3599,19 @@ def _write_gpus_summary():
     keys = list(dict.fromkeys(k for t in tables.values() for k in t))
     if keys:
         with_models = [g for g in gpus if tables[g]]
-        lines += ["## models: fraction of copy speed", "",
+        lines += ["## models: kernels alone", "",
+                  f"Over the point-modes {' and '.join(KERNEL_MODES)} (both dtypes): how many reach "
+                  f"{TARGET_FRACTION} of copy speed, the median and minimum fraction, and how many are at "
+                  "or above the best peer's fraction (of those with a peer).", "",
+                  "| GPU | path | at >= " + f"{TARGET_FRACTION}" + " | median | minimum | at or above the best peer |",
+                  "|---|---|---|---|---|---|"]
+        for g in with_models:
+            for ours, stats in _kernels_overview(tables[g]).items():
+                if stats is not None:
+                    n, hit, median, low, with_peer, at_peer = stats
+                    lines.append(f"| {g} | {MODEL_PROVIDERS[ours]} | {hit} / {n} | {median:.3f} | {low:.3f} | "
+                                 f"{at_peer} / {with_peer} |")
+        lines += ["", "## models: fraction of copy speed", "",
                   "Per GPU: Triton (freqs table) / Triton (positions) / best peer (liger, liger_mrope or "
                   "flash-attn, by fraction) / a plain Triton copy kernel of the same bytes. `-`: not measured or "
                   "the path raised.", "",
