@@ -2789,7 +2789,8 @@ MODES = ("forward", "backward", "forward+backward")
 # The models sweep times the kernels alone (one call, replayed from a CUDA graph), the eager
 # autograd step, and the same step replayed from a CUDA graph: eager minus graph is what the
 # host costs per step.
-MODEL_MODES = ("forward_kernel", "backward_kernel", "forward+backward", "forward+backward (CUDA graph)")
+KERNEL_MODES = ("forward_kernel", "backward_kernel")
+MODEL_MODES = KERNEL_MODES + ("forward+backward", "forward+backward (CUDA graph)")
 PROVIDERS = {"torch": "Torch Native", "compile": "torch.compile", "te": "Transformer Engine",
              "triton": "Triton", "copy": "Device copy"}
 STYLES = [("tab:gray", "-"), ("tab:orange", "-"), ("tab:green", "-"), ("tab:blue", "-"),
@@ -3200,7 +3201,7 @@ def _model_line_ms(line, mode, state):
     the cache flush before it (the fused QKV's views and outputs, a peer's cos/sin setup)
     would leave the GPU idle inside its own timing. The autograd step is built once per
     provider and point (`state`) and serves both forward+backward modes."""
-    if mode in ("forward_kernel", "backward_kernel"):
+    if mode in KERNEL_MODES:
         if mode not in state:
             with torch.no_grad():
                 state[mode] = _graphed(line.forward if mode == "forward_kernel" else line.backward)
@@ -3383,11 +3384,16 @@ def _fraction(row):
     return row["copy_ms"] / row["ms"] if row and row.get("copy_ms") and row["ms"] > 0 else None
 
 
-def _model_flags(rows):
-    """Why a models point needs a look: ours below the target, or below the best peer (by
+def _best_peer(rows):
+    """(fraction of copy, provider) of the fastest peer of a models point-mode, or None (by
     fraction of copy, since liger moves other bytes than we do)."""
     peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
-    best_peer = max(peers) if peers else None
+    return max(peers) if peers else None
+
+
+def _model_flags(rows):
+    """Why a models point needs a look: ours below the target, or below the best peer."""
+    best_peer = _best_peer(rows)
     flags = []
     for ours in OURS:
         frac = _fraction(rows.get(ours))
@@ -3549,9 +3555,6 @@ def _write_model_plots(out_dir):
             plt.close(fig)
 
 
-KERNEL_MODES = ("forward_kernel", "backward_kernel")
-
-
 def _kernels_overview(table):
     """Per provider of ours, over the models point-modes timed as kernels alone: (point-modes,
     how many reach TARGET_FRACTION, median, minimum, point-modes with a peer, how many of
@@ -3564,10 +3567,10 @@ def _kernels_overview(table):
             if mode not in KERNEL_MODES or frac is None:
                 continue
             fractions.append(frac)
-            peers = [f for p in PEERS if (f := _fraction(rows.get(p))) is not None]
-            if peers:
+            best = _best_peer(rows)
+            if best:
                 with_peer += 1
-                at_peer += frac >= max(peers)
+                at_peer += frac >= best[0]
         overview[ours] = (len(fractions), sum(f >= TARGET_FRACTION for f in fractions),
                           statistics.median(fractions), min(fractions), with_peer,
                           at_peer) if fractions else None
@@ -3621,8 +3624,7 @@ def _write_gpus_summary():
             cells = []
             for g in with_models:
                 rows = tables[g].get(key, {})
-                peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
-                best = max(peers) if peers else None
+                best = _best_peer(rows)
                 ours = [f"{f:.3f}" if (f := _fraction(rows.get(p))) is not None else "-" for p in OURS]
                 tcopy = _fraction(rows.get("triton_copy"))
                 cells.append(" / ".join(ours) + (f" / {best[0]:.3f} {best[1]}" if best else " / -")
@@ -3700,9 +3702,9 @@ def _host_overhead():
     t = torch.randn(128, 1, 8, 64, device=DEVICE, dtype=torch.bfloat16)
     freqs = RotaryPositionEmbedding(64, device=DEVICE)(128)
     fns = {"Triton": lambda: apply_rotary_pos_emb(t, freqs)}
-    te_fn = load_te_rope()[0]
+    te_fn, te_name = load_te_rope()
     if te_fn is not None:
-        fns["TE (" + load_te_rope()[1] + ")"] = lambda: te_fn(t, freqs)
+        fns[f"TE ({te_name})"] = lambda: te_fn(t, freqs)
     report = [f"{name} {_cpu_us_per_call(fn):.1f} us" for name, fn in fns.items()]
     x, grad = t.detach().requires_grad_(True), torch.randn_like(t)
     empty = _cpu_us_per_call(lambda: torch.autograd.grad(_AllocateOnly.apply(x), x, grad))
