@@ -24,7 +24,7 @@ import triton.language as tl
 
 from te_comparator import load_te_qkv_rope, load_te_rope
 import triton_rotary_kernel
-from triton_rotary_kernel import set_rotary_kernel
+from triton_rotary_kernel import _tile_sequences, set_rotary_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb,
     apply_rotary_pos_emb_inplace)
@@ -749,6 +749,62 @@ def test_from_hf_config_bad_configs_raise():
                                                 "rope_scaling": {"type": "dynamic", "factor": 2.0}})
 
 
+@triton.jit
+def _tile_sequences_probe(CU_SEQLENS, SEQ, SEQ_START, SEQ_END, num_tokens, num_seqs, cp_size,
+                          BLOCK_T: tl.constexpr, SEARCH_LEVELS: tl.constexpr):
+    """The thd sequence search of rotary_kernel for tiles of BLOCK_T tokens, its results
+    stored per token."""
+    first = tl.program_id(0) * BLOCK_T
+    tok = first + tl.arange(0, BLOCK_T)
+    ok = tok < num_tokens
+    tok = tl.minimum(tok, num_tokens - 1)
+    seq, seq_start, seq_end = _tile_sequences(CU_SEQLENS, first, (tok.to(tl.int64) + 1) * cp_size,
+                                              num_seqs, cp_size, SEARCH_LEVELS)
+    tl.store(SEQ + tok, seq, mask=ok)
+    tl.store(SEQ_START + tok, seq_start, mask=ok)
+    tl.store(SEQ_END + tok, seq_end, mask=ok)
+
+
+def _lengths_cu(lengths, start=0):
+    return list(itertools.accumulate(lengths, initial=start))
+
+
+# (cu_seqlens, tokens past its end, cp_size, tokens per tile): a tile crossing few sequence ends
+# (read from one vector of cu_seqlens after the first token's search) or many (every token
+# searched on its own).
+_TILE_SEARCH_CASES = {
+    "long sequences": (_lengths_cu([64] * 16), 0, 1, 8),
+    "one-token tiles": (_lengths_cu([3, 1, 5, 2] * 4), 0, 1, 1),
+    "short and empty sequences": (_lengths_cu([0, 1, 0, 2, 1, 0, 0, 3] * 40), 0, 1, 16),
+    "tokens before and after": (_lengths_cu([7, 0, 9, 30, 1, 1, 1, 12], start=5), 11, 1, 8),
+    "context parallel": (_lengths_cu([8, 4, 12, 0, 16, 4] * 3), 0, 2, 4),
+    "5000 sequences": (_lengths_cu([1, 2, 0, 3, 1] * 1000), 0, 1, 8),
+}
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("case", list(_TILE_SEARCH_CASES))
+def test_tile_sequence_search_matches_searchsorted(case, index_dtype):
+    """Each token's sequence (the last i with cu[i] // cp_size <= token, 0 if none) and its
+    bounds, whether the tile's tokens come from the vector after the first token's sequence
+    or (many sequence ends in one tile) from a search of their own."""
+    cu, past_end, cp_size, block_t = _TILE_SEARCH_CASES[case]
+    cu_seqlens = torch.tensor(cu, dtype=index_dtype, device=DEVICE)
+    num_seqs = len(cu) - 1
+    num_tokens = cu[-1] // cp_size + past_end
+    seq, seq_start, seq_end = (torch.full((num_tokens,), -1, dtype=index_dtype, device=DEVICE)
+                               for _ in range(3))
+    _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
+        cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, BLOCK_T=block_t,
+        SEARCH_LEVELS=triton_rotary_kernel._search_levels(num_seqs))
+    local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
+    tokens = torch.arange(num_tokens)
+    expected = (torch.searchsorted(local_cu, tokens, right=True) - 1).clamp(min=0)
+    assert seq.cpu().tolist() == expected.tolist()
+    torch.testing.assert_close(seq_start.cpu().long(), torch.tensor(cu)[expected])
+    torch.testing.assert_close(seq_end.cpu().long(), torch.tensor(cu)[(expected + 1).clamp(max=num_seqs)])
+
+
 def test_thd_tokens_outside_sequences_pass_through():
     """TE leaves tokens past cu_seqlens[-1] uninitialised; here they are returned unchanged
     (and their gradient passes through), in both the kernel and the unfused path."""
@@ -926,8 +982,10 @@ def test_program_grid_orders_head_programs_next_to_each_other():
     the head programs of a token block adjacent; more programs than a launch takes: ValueError."""
     assert triton_rotary_kernel._program_grid(7, 1) == ((7, 1), False)
     assert triton_rotary_kernel._program_grid(7, 3) == ((21, 1), True)
-    with pytest.raises(ValueError, match="programs; a launch takes at most"):
+    with pytest.raises(ValueError, match="^t needs 2147483648 programs; a launch takes at most"):
         triton_rotary_kernel._program_grid(2**30, 2)
+    with pytest.raises(ValueError, match="^qkv needs"):
+        triton_rotary_kernel._program_grid(2**30, 2, "qkv")
 
 
 def test_repeated_calls_and_misaligned_views():
@@ -976,28 +1034,58 @@ def test_launches_after_the_first_use_the_compiled_kernels_launcher():
 
 
 # Compiles rotary_kernel for sm_90 (no GPU needed: Triton's own ptxas) in a fresh process, where
-# TRITON_INTERPRET is unset so that the kernel is a JIT function, and prints per tile the
-# number of sin.approx instructions in the PTX: PTX is one thread's code, so that is the sin/cos
-# each thread computes.
-_COUNT_SINCOS = r"""
-import re, sys
+# TRITON_INTERPRET is unset so that the kernel is a JIT function. Each argument is a tile (JSON
+# constexprs over DEFAULT_TILE, sizes and strides as for contiguous tensors); per tile it prints one JSON line: the number of sin.approx in
+# the PTX (PTX is one thread's code, so that is the sin/cos each thread computes) and the
+# global loads in the order of the SASS (Triton's nvdisasm on the cubin).
+_COMPILE_TILES = r"""
+import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton_rotary_kernel as K
+DEFAULT_TILE = dict(BLOCK_T=1, BLOCK_H=1, BLOCK_HALF=64, BLOCK_PASS=0, INTERLEAVED=False,
+                    BACKWARD=False, IS_THD=False, SEQ_MAJOR=True, HAS_START=False,
+                    WIDE_INNER=False, ANGLES_FROM_POSITIONS=True, POSITIONS_FROM=0,
+                    SEARCH_LEVELS=0, FLAT_GRID=False)
 pointers = {"OUT": "*bf16", "X": "*bf16", "FREQS": "*fp32", "PAIR_AXIS": "*i32",
             "POSITIONS": "*i64", "START_POSITIONS": "*i32", "CU_SEQLENS": "*i32"}
-for block_t, block_h in ((1, 16), (16, 1)):
-    constexprs = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=64, BLOCK_PASS=0,
-                      INTERLEAVED=False, BACKWARD=False, IS_THD=False, SEQ_MAJOR=True,
-                      HAS_START=False, WIDE_INNER=False, ANGLES_FROM_POSITIONS=True,
-                      POSITIONS_FROM=0, SEARCH_LEVELS=0, FLAT_GRID=False)
+nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+names = K.rotary_kernel.arg_names
+# As Triton specializes a contiguous call: aligned pointers, unit channel strides, the other
+# strides and the head and rotary dims multiples of 16.
+unit_strides = {n: 1 for n in names if n.startswith("stride") and n.endswith("_dim")}
+aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+           if n in pointers or n in ("rotary_dim", "head_dim")
+           or (n.startswith("stride") and n not in unit_strides)}
+for tile in sys.argv[1:]:
+    constexprs = {**DEFAULT_TILE, **unit_strides, **json.loads(tile)}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "angle_scale" else "i32")
-                 for n in K.rotary_kernel.arg_names}
-    kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=signature, constexprs=constexprs),
+                 for n in names}
+    kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=signature, constexprs=constexprs,
+                                      attrs=aligned),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    print(block_t, block_h, len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    print(json.dumps({"sin": len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])),
+                      "loads": re.findall(r"\bLDG\.[\w.]+", sass)}))
 """
+
+
+def _compile_tiles(*tiles):
+    """_COMPILE_TILES' result for each tile (dicts of constexprs)."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_TILES, *map(json.dumps, tiles)],
+                         capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
 
 
 def test_sin_cos_are_computed_once_per_program():
@@ -1006,15 +1094,19 @@ def test_sin_cos_are_computed_once_per_program():
     for 1 token x 16 heads x 64 pairs at 4 warps (128 threads, 64 angles), at most one sin per
     thread. A one-head tile of 16 tokens x 64 pairs has 1024 angles, 8 per thread, and the
     count says so (what the count measures)."""
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COUNT_SINCOS], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = {(int(t), int(h)): int(n) for t, h, n in (line.split() for line in run.stdout.splitlines())}
-    assert counts[(16, 1)] == 8, counts
-    assert counts[(1, 16)] == 1, counts
+    heads_tile, tokens_tile = _compile_tiles(dict(BLOCK_T=1, BLOCK_H=16), dict(BLOCK_T=16, BLOCK_H=1))
+    assert tokens_tile["sin"] == 8, tokens_tile
+    assert heads_tile["sin"] == 1, heads_tile
+
+
+def test_thd_tile_loads_are_issued_before_the_sequence_search():
+    """A thd tile's own loads (16-byte vectors of bf16) come first in the SASS, ahead of the
+    search of cu_seqlens for its tokens' sequences (loads evict_last), for angles from
+    positions and from a table. Without the barrier after them, ptxas puts them after the
+    whole chain of the search."""
+    thd = dict(BLOCK_T=4, BLOCK_H=8, BLOCK_HALF=32, IS_THD=True, SEARCH_LEVELS=6)
+    for tile in _compile_tiles(thd, dict(thd, ANGLES_FROM_POSITIONS=False)):
+        assert tile["loads"][:3] == ["LDG.E.128", "LDG.E.128", "LDG.E.EL"], tile["loads"]
 
 
 def test_result_does_not_depend_on_batch():

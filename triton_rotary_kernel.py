@@ -42,8 +42,14 @@ import triton.language as tl
 # check that globals did not change since compilation).
 _NAN_BITS = tl.constexpr(0x7FC00000)
 
-# thd: entries of cu_seqlens one step of the search for a token's sequence compares.
+# thd, the search of cu_seqlens for the tokens' sequences (`_tile_sequences`): the ways one
+# step of a single token's search splits its range into; the same for the search of a tile's
+# first token, done once by the whole program (TILE_FAN = SEARCH_FAN ** 2, so one of its
+# steps does two of the other's); and the entries after the first token's sequence read for
+# the tile's other tokens.
 SEARCH_FAN = tl.constexpr(4)
+TILE_FAN = tl.constexpr(16)
+TILE_SCAN = tl.constexpr(8)
 
 # Where the positions of the tokens come from (constexpr POSITIONS_FROM).
 IMPLICIT_POSITIONS = tl.constexpr(0)     # index in the sequence: start_positions, thd, CP
@@ -186,13 +192,7 @@ def rotary_kernel(
     SEARCH_LEVELS: tl.constexpr,  # thd: steps of the search over cu_seqlens, see _search_levels
     FLAT_GRID: tl.constexpr,      # head blocks and token blocks share axis 0, see _program_grid
 ):
-    if FLAT_GRID:
-        head_blocks = tl.cdiv(nheads, BLOCK_H)
-        tok_block = tl.program_id(0) // head_blocks
-        head_block = tl.program_id(0) - tok_block * head_blocks
-    else:
-        tok_block = tl.program_id(0)
-        head_block = tl.program_id(1)
+    tok_block, head_block = _program_block(tl.cdiv(nheads, BLOCK_H), FLAT_GRID)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     _rope_tile(
         tok_block=tok_block, OUT=OUT, X=X, FREQS=FREQS, PAIR_AXIS=PAIR_AXIS, POSITIONS=POSITIONS,
@@ -214,6 +214,20 @@ def rotary_kernel(
         INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, SEQ_MAJOR=SEQ_MAJOR,
         HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
         ANGLES_FROM_POSITIONS=ANGLES_FROM_POSITIONS, POSITIONS_FROM=POSITIONS_FROM)
+
+
+@triton.jit
+def _program_block(head_programs, FLAT_GRID: tl.constexpr):
+    """(token block, head program) of this program, `head_programs` per token block: one
+    grid axis each, or both on axis 0 with a token block's head programs adjacent
+    (`_program_grid`)."""
+    if FLAT_GRID:
+        tok_block = tl.program_id(0) // head_programs
+        head_program = tl.program_id(0) - tok_block * head_programs
+    else:
+        tok_block = tl.program_id(0)
+        head_program = tl.program_id(1)
+    return tok_block, head_program
 
 
 @triton.jit
@@ -274,11 +288,18 @@ def _rope_tile(tok_block, OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, 
         mask_p = mask_th & (offs_p < head_dim)[None, None, :]
         x_pass = tl.load(x_base + offs_p[None, None, :] * stride_x_dim, mask=mask_p)
 
+    if IS_THD and POSITIONS_FROM == IMPLICIT_POSITIONS:
+        # ptxas issues the loads of the search for the tokens' sequences (a chain of
+        # dependent loads) first and the tile's loads only after the whole chain. The
+        # barrier keeps the tile's loads ahead (it waits for no load's data). Only here: ahead
+        # of positions or a table, it slows the tile (README, Results).
+        tl.debug_barrier()
     # Positions and cos/sin depend on the token (and pair) only: worked out once for the
     # tile's tokens and shared by its heads.
     in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
-        FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
-        seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes, rotary_dim,
+        FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, tok_block * BLOCK_T,
+        seq_idx, batch_idx, seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes,
+        rotary_dim,
         stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq, stride_pos_batch,
         compute_dtype, BLOCK_T, BLOCK_HALF, SEARCH_LEVELS, BLOCK_H > 1, IS_THD, HAS_START,
         INTERLEAVED, ANGLES_FROM_POSITIONS, POSITIONS_FROM)
@@ -340,8 +361,8 @@ def _token_coords(tok, seq_len, batch, IS_THD: tl.constexpr, SEQ_MAJOR: tl.const
 
 
 @triton.jit
-def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len,
-               num_seqs, cp_size, cp_rank, stride_pos_seq, stride_pos_batch,
+def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx, batch_idx,
+               seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq, stride_pos_batch,
                SEARCH_LEVELS: tl.constexpr, IS_THD: tl.constexpr, HAS_START: tl.constexpr,
                POSITIONS_FROM: tl.constexpr):
     """(in_seq, pos): whether each token lies inside a thd sequence (always, otherwise) and
@@ -355,16 +376,16 @@ def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, 
         else:
             pos = tl.load(POSITIONS + offset).to(tl.int64)
     else:
-        in_seq, pos = _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
-                                          seq_len, num_seqs, cp_size, cp_rank, SEARCH_LEVELS,
-                                          IS_THD, HAS_START)
+        in_seq, pos = _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx,
+                                          batch_idx, seq_len, num_seqs, cp_size, cp_rank,
+                                          SEARCH_LEVELS, IS_THD, HAS_START)
     return in_seq, pos
 
 
 @triton.jit
-def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, seq_len, num_seqs,
-                        cp_size, cp_rank, SEARCH_LEVELS: tl.constexpr, IS_THD: tl.constexpr,
-                        HAS_START: tl.constexpr):
+def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx, batch_idx, seq_len,
+                        num_seqs, cp_size, cp_rank, SEARCH_LEVELS: tl.constexpr,
+                        IS_THD: tl.constexpr, HAS_START: tl.constexpr):
     """(in_seq, pos) by TE's rules: the token's index in its sequence (int64), moved by context
     parallelism and start_positions; in_seq says whether a thd token lies in a sequence."""
     in_seq = tok >= 0
@@ -375,28 +396,12 @@ def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, se
     if IS_THD:
         # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
         # each sequence. The token's sequence is the last i with cu[i] // cp_size <= tok, i.e.
-        # cu[i] < (tok + 1) * cp_size (no integer division). A SEARCH_FAN-way search: each
-        # step loads SEARCH_FAN - 1 entries at once (independent cached loads) and moves past
-        # those below, so the chain of dependent loads is SEARCH_LEVELS long instead of
-        # log2(b). cu_seqlens is non-decreasing; were it not, the result is still an index in
-        # [0, num_seqs] (a wrong but in-bounds sequence), never a read outside it.
+        # cu[i] < (tok + 1) * cp_size (no integer division).
         next_start = (tok.to(tl.int64) + 1) * cp_size
-        lo = tok * 0
-        step = 1
-        for _ in tl.static_range(SEARCH_LEVELS - 1):
-            step *= SEARCH_FAN
-        for _ in tl.static_range(SEARCH_LEVELS):
-            below = lo * 0
-            for j in tl.static_range(1, SEARCH_FAN):
-                cand = lo + j * step
-                valid = cand <= num_seqs
-                entry = tl.load(CU_SEQLENS + cand, mask=valid, other=0)
-                below += (valid & (entry < next_start)).to(tl.int32)
-            lo += below * step
-            step //= SEARCH_FAN
-        batch_idx = lo
-        seq_start = (tl.load(CU_SEQLENS + batch_idx) // cp_size).to(tl.int64)
-        seq_end = (tl.load(CU_SEQLENS + tl.minimum(batch_idx + 1, num_seqs)) // cp_size).to(tl.int64)
+        batch_idx, seq_start, seq_end = _tile_sequences(CU_SEQLENS, first_tok, next_start,
+                                                        num_seqs, cp_size, SEARCH_LEVELS)
+        seq_start = (seq_start // cp_size).to(tl.int64)
+        seq_end = (seq_end // cp_size).to(tl.int64)
         # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
         in_seq = (tok >= seq_start) & (tok < seq_end)
         seq_idx = tok - seq_start
@@ -415,9 +420,87 @@ def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx, se
 
 
 @triton.jit
-def _tile_angles(FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
-                 seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes, rotary_dim,
-                 stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
+def _tile_sequences(CU_SEQLENS, first_tok, next_start, num_seqs, cp_size,
+                    SEARCH_LEVELS: tl.constexpr):
+    """(sequence index, cu[index], cu[index + 1]) of each of a tile's consecutive tokens: the
+    last i in [0, num_seqs] with cu[i] < next_start (0 when there is none).
+
+    The tile's first token is searched once for the whole program (uniform loads, one
+    vector of cu_seqlens per step); the others lie in the TILE_SCAN - 1 sequences after it,
+    read as one vector, unless the tile crosses TILE_SCAN - 2 sequence ends or more (many
+    empty or very short sequences): then each token is searched on its own
+    (`_token_sequences`). cu_seqlens is non-decreasing; were it not, every index is still
+    in [0, num_seqs] (a wrong but in-bounds sequence), never a read outside it. Its entries
+    are loaded evict_last: every program reads them, between streaming loads of the tile
+    that would push them out."""
+    first = _first_sequence(CU_SEQLENS, (first_tok + 1).to(tl.int64) * cp_size, num_seqs,
+                            SEARCH_LEVELS)
+    j = tl.arange(0, TILE_SCAN)
+    # cu[first + j], clamped to cu[num_seqs] past the end: entry j + 1 is then the end of
+    # sequence first + j, as for the last sequence.
+    entry = tl.load(CU_SEQLENS + tl.minimum(first + j, num_seqs), eviction_policy="evict_last")
+    counted = (j > 0) & (first + j <= num_seqs)
+    ahead = tl.sum((counted[None, :] & (entry[None, :] < next_start[:, None])).to(tl.int32),
+                   axis=1)
+    if tl.max(ahead, axis=0) < TILE_SCAN - 1:
+        seq = first + ahead
+        # entries ahead and ahead + 1 of the vector, picked in registers
+        seq_start = tl.sum(tl.where(j[None, :] == ahead[:, None], entry[None, :], 0), axis=1)
+        seq_end = tl.sum(tl.where(j[None, :] == ahead[:, None] + 1, entry[None, :], 0), axis=1)
+    else:
+        seq = _token_sequences(CU_SEQLENS, next_start, num_seqs, SEARCH_LEVELS)
+        seq_start = tl.load(CU_SEQLENS + seq, eviction_policy="evict_last")
+        seq_end = tl.load(CU_SEQLENS + tl.minimum(seq + 1, num_seqs),
+                          eviction_policy="evict_last")
+    return seq, seq_start, seq_end
+
+
+@triton.jit
+def _first_sequence(CU_SEQLENS, next_start, num_seqs, SEARCH_LEVELS: tl.constexpr):
+    """The last i in [0, num_seqs] with cu[i] < next_start (0 if none) for one token, by the
+    whole program: each step compares one vector of TILE_FAN - 1 entries, spaced `step`
+    apart (a TILE_FAN-way split), so ceil(SEARCH_LEVELS / 2) steps cover what the per-token
+    search covers in SEARCH_LEVELS."""
+    j = tl.arange(0, TILE_FAN)
+    lo = num_seqs * 0
+    step = 1
+    for _ in tl.static_range((SEARCH_LEVELS + 1) // 2 - 1):
+        step *= TILE_FAN
+    for _ in tl.static_range((SEARCH_LEVELS + 1) // 2):
+        cand = lo + j * step
+        counted = (j > 0) & (cand <= num_seqs)
+        entry = tl.load(CU_SEQLENS + cand, mask=counted, other=0, eviction_policy="evict_last")
+        lo += tl.sum((counted & (entry < next_start)).to(tl.int32), axis=0) * step
+        step //= TILE_FAN
+    return lo
+
+
+@triton.jit
+def _token_sequences(CU_SEQLENS, next_start, num_seqs, SEARCH_LEVELS: tl.constexpr):
+    """The last i in [0, num_seqs] with cu[i] < next_start (0 if none), for each token on
+    its own: SEARCH_FAN-way, each step loads SEARCH_FAN - 1 entries at once (independent
+    cached loads) and moves past those below, so the chain of dependent loads is
+    SEARCH_LEVELS long instead of log2(num_seqs)."""
+    lo = (next_start * 0).to(tl.int32)
+    step = 1
+    for _ in tl.static_range(SEARCH_LEVELS - 1):
+        step *= SEARCH_FAN
+    for _ in tl.static_range(SEARCH_LEVELS):
+        below = lo * 0
+        for j in tl.static_range(1, SEARCH_FAN):
+            cand = lo + j * step
+            valid = cand <= num_seqs
+            entry = tl.load(CU_SEQLENS + cand, mask=valid, other=0, eviction_policy="evict_last")
+            below += (valid & (entry < next_start)).to(tl.int32)
+        lo += below * step
+        step //= SEARCH_FAN
+    return lo
+
+
+@triton.jit
+def _tile_angles(FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx,
+                 batch_idx, seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes,
+                 rotary_dim, stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
                  stride_pos_batch, compute_dtype: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_HALF: tl.constexpr, SEARCH_LEVELS: tl.constexpr, SHARED: tl.constexpr,
                  IS_THD: tl.constexpr, HAS_START: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -440,8 +523,8 @@ def _tile_angles(FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, 
         pos = tok.to(tl.int64)
         trips = 0
         while trips < 1:
-            in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx,
-                                     batch_idx, seq_len, num_seqs, cp_size, cp_rank,
+            in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok,
+                                     seq_idx, batch_idx, seq_len, num_seqs, cp_size, cp_rank,
                                      stride_pos_seq, stride_pos_batch, SEARCH_LEVELS, IS_THD,
                                      HAS_START, POSITIONS_FROM)
             trips += 1
@@ -466,8 +549,8 @@ def _tile_angles(FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, 
                     compute_dtype, BLOCK_T, BLOCK_HALF, INTERLEAVED)
                 trips += 1
     else:
-        in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, seq_idx, batch_idx,
-                                 seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq,
+        in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx,
+                                 batch_idx, seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq,
                                  stride_pos_batch, SEARCH_LEVELS, IS_THD, HAS_START,
                                  POSITIONS_FROM)
         if ANGLES_FROM_POSITIONS:
@@ -585,13 +668,7 @@ def rotary_qkv_kernel(
     """Fused QKV: one launch for q, k and v. The head programs of a token block first cover
     the query heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS),
     each with its value heads copied through."""
-    if FLAT_GRID:
-        head_programs = q_programs + tl.cdiv(kv_heads, BLOCK_KV)
-        tok_block = tl.program_id(0) // head_programs
-        pid_h = tl.program_id(0) - tok_block * head_programs
-    else:
-        tok_block = tl.program_id(0)
-        pid_h = tl.program_id(1)
+    tok_block, pid_h = _program_block(q_programs + tl.cdiv(kv_heads, BLOCK_KV), FLAT_GRID)
     if pid_h < q_programs:
         q_heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         _rope_tile(
@@ -666,6 +743,9 @@ TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
+# thd: the search for a token's sequence looks up to TILE_FAN times past an index of
+# cu_seqlens, in int32.
+MAX_SEQUENCES = 2**26
 # Launch rule (README, "Results and analysis"). A program rotates a tile of whole (token, head)
 # rows, about TILE_BYTES of them: the fewest heads of one token that hold TILE_BYTES, or all
 # its heads and then as many tokens as it takes, with NUM_WARPS warps. At 4 warps a tile of
@@ -854,6 +934,9 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
                 raise ValueError(f"cu_seqlens must have at least 2 entries ([b + 1]), "
                                  f"got {cu_seqlens.numel()}")
             batch = cu_seqlens.numel() - 1
+            if batch > MAX_SEQUENCES:
+                raise ValueError(f"cu_seqlens holds {batch} sequences; at most {MAX_SEQUENCES} "
+                                 f"(the search for a token's sequence indexes it in int32)")
         elif cu_seqlens is not None:
             raise ValueError("give cu_seqlens or positions for tensor_format='thd', not both: "
                              "positions already place every token")
@@ -1001,7 +1084,7 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
 _MAX_GRID_X = 2**31 - 1
 
 
-def _program_grid(token_blocks: int, head_programs: int):
+def _program_grid(token_blocks: int, head_programs: int, t_name: str = "t"):
     """(grid, FLAT_GRID) for token_blocks x head_programs programs. Several programs per token
     block go on one grid axis, those of a token block next to each other, so that a token's
     heads are rotated at about the same time and memory is walked in order (on axis 1 they
@@ -1010,14 +1093,14 @@ def _program_grid(token_blocks: int, head_programs: int):
     if head_programs == 1:
         return (token_blocks, 1), False
     if token_blocks * head_programs > _MAX_GRID_X:
-        raise ValueError(f"t needs {token_blocks * head_programs} programs; a launch takes at "
+        raise ValueError(f"{t_name} needs {token_blocks * head_programs} programs; a launch takes at "
                          f"most {_MAX_GRID_X}")
     return (token_blocks * head_programs, 1), True
 
 
 def _search_levels(num_seqs: int) -> int:
-    """Steps of the thd search: SEARCH_FAN ** levels > num_seqs (indices 0..num_seqs), and at
-    least 2: with one step, LLVM's SLP vectorizer in Triton 3.6 aborts on some tiles (an
+    """Steps of one token's thd search, SEARCH_FAN ** levels > num_seqs (indices
+    0..num_seqs; the search for a tile's first token takes half as many), and at least 2: with one step, LLVM's SLP vectorizer in Triton 3.6 aborts on some tiles (an
     assertion in BoUpSLP, interleaved float32 tiles of 8 tokens x 8 heads)."""
     levels = 2
     while SEARCH_FAN.value ** levels <= num_seqs:
@@ -1025,12 +1108,13 @@ def _search_levels(num_seqs: int) -> int:
     return levels
 
 
-_WARNED_NO_RUNNER = []
+_WARNED = set()
 
 
-def _warn_once(message):
-    if not _WARNED_NO_RUNNER:
-        _WARNED_NO_RUNNER.append(message)
+def _warn_once(kind, message):
+    """Warn about `kind` (a short tag) once per process."""
+    if kind not in _WARNED:
+        _WARNED.add(kind)
         warnings.warn(f"triton_rotary: Triton {triton.__version__} {message}", RuntimeWarning,
                       stacklevel=4)
 
@@ -1047,8 +1131,8 @@ def _compiled_runner(kernel, grid):
     try:
         runner = kernel[(grid[0], grid[1], 1)]
     except (TypeError, AttributeError, KeyError) as err:
-        _warn_once(f"gives no runner for a compiled kernel ({err!r}); every launch goes through "
-                   f"Triton's JIT, which costs more CPU time per call")
+        _warn_once("no runner", f"gives no runner for a compiled kernel ({err!r}); every launch "
+                   f"goes through Triton's JIT, which costs more CPU time per call")
         return None
     try:
         from triton import knobs
@@ -1059,8 +1143,8 @@ def _compiled_runner(kernel, grid):
         get_stream, device = driver.active.get_current_stream, driver.active.get_current_device()
         enter.calls, leave.calls            # noqa: B018 (hook chains: lists of hooks)
     except (ImportError, AttributeError) as err:
-        _warn_once(f"lacks a part of the direct launch ({err!r}); launches go through Triton's "
-                   f"runner, which costs more CPU time per call")
+        _warn_once("no direct launch", f"lacks a part of the direct launch ({err!r}); launches "
+                   f"go through Triton's runner, which costs more CPU time per call")
         runner.direct = False
         return runner
     g0, g1 = grid
@@ -1092,6 +1176,8 @@ class _Launch:
         self.runners = {}
 
     def __call__(self, *tensors):
+        # How to launch follows the real environment (tests vary the launch rule alone,
+        # through _interpreting()).
         if _INTERPRETING:
             self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
             return
@@ -1377,7 +1463,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                       WIDE_INNER=widest > _INT32_MAX,
                       ANGLES_FROM_POSITIONS=q_source.from_positions,
                       POSITIONS_FROM=_positions_mode(q_source, positions), **meta)
-    grid, constexprs["FLAT_GRID"] = _program_grid(grid[0], q_programs + k_programs)
+    grid, constexprs["FLAT_GRID"] = _program_grid(grid[0], q_programs + k_programs, "qkv")
     return _Plan(_Launch(rotary_qkv_kernel, grid, scalars, constexprs), split)
 
 
