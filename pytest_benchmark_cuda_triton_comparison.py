@@ -24,7 +24,7 @@ import triton.language as tl
 
 from te_comparator import load_te_qkv_rope, load_te_rope
 import triton_rotary_kernel
-from triton_rotary_kernel import _tile_sequences, set_rotary_kernel
+from triton_rotary_kernel import _program_tokens, _tile_sequences, set_rotary_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb,
     apply_rotary_pos_emb_inplace)
@@ -752,14 +752,12 @@ def test_from_hf_config_bad_configs_raise():
 @triton.jit
 def _tile_sequences_probe(CU_SEQLENS, SEQ, SEQ_START, SEQ_END, num_tokens, num_seqs, cp_size,
                           BLOCK_T: tl.constexpr, SEARCH_LEVELS: tl.constexpr):
-    """The thd sequence search of rotary_kernel for tiles of BLOCK_T tokens, its results
-    stored per token."""
-    first = tl.program_id(0) * BLOCK_T
-    tok = first + tl.arange(0, BLOCK_T)
-    ok = tok < num_tokens
-    tok = tl.minimum(tok, num_tokens - 1)
-    seq, seq_start, seq_end = _tile_sequences(CU_SEQLENS, first, (tok.to(tl.int64) + 1) * cp_size,
-                                              num_seqs, cp_size, SEARCH_LEVELS)
+    """The thd sequence search of rotary_kernel for tiles of BLOCK_T tokens (its tokens as the
+    kernel picks them), its results stored per token."""
+    tok, ok, _, _ = _program_tokens(tl.program_id(0), num_tokens, 0, 1, BLOCK_T, True, True)
+    seq, seq_start, seq_end = _tile_sequences(CU_SEQLENS, tl.program_id(0) * BLOCK_T,
+                                              (tok.to(tl.int64) + 1) * cp_size, num_seqs, cp_size,
+                                              SEARCH_LEVELS)
     tl.store(SEQ + tok, seq, mask=ok)
     tl.store(SEQ_START + tok, seq_start, mask=ok)
     tl.store(SEQ_END + tok, seq_end, mask=ok)
@@ -1035,9 +1033,10 @@ def test_launches_after_the_first_use_the_compiled_kernels_launcher():
 
 # Compiles rotary_kernel for sm_90 (no GPU needed: Triton's own ptxas) in a fresh process, where
 # TRITON_INTERPRET is unset so that the kernel is a JIT function. Each argument is a tile (JSON
-# constexprs over DEFAULT_TILE, sizes and strides as for contiguous tensors); per tile it prints one JSON line: the number of sin.approx in
-# the PTX (PTX is one thread's code, so that is the sin/cos each thread computes) and the
-# global loads in the order of the SASS (Triton's nvdisasm on the cubin).
+# constexprs over DEFAULT_TILE, sizes and strides as for contiguous tensors); per tile it prints
+# one JSON line: the number of sin.approx in the PTX (PTX is one thread's code, so that is the
+# sin/cos each thread computes) and the global loads in the order of the SASS (Triton's
+# nvdisasm on the cubin).
 _COMPILE_TILES = r"""
 import json, os, re, subprocess, sys, tempfile
 import triton
