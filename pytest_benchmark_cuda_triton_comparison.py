@@ -1708,6 +1708,12 @@ def test_qkv_backward_grads_and_overlapping_out_are_rejected():
     out = buffer[8: 8 + 4 * 2 * 3 * 8].view(4, 2, 3, 8)       # overlaps t, shifted by a head
     with pytest.raises(ValueError, match="share memory with t"):
         set_rotary_kernel(t, freqs, out=out)
+    # The same layouts, planned first with an out apart from t: whether memory is shared is
+    # a matter of pointers, which no plan's key holds.
+    apart = torch.empty_like(t)
+    set_rotary_kernel(t, freqs, out=apart)
+    with pytest.raises(ValueError, match="share memory with t"):
+        set_rotary_kernel(t, freqs, out=out)
 
 
 def test_out_of_another_shape_is_rejected():

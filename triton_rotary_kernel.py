@@ -1287,8 +1287,6 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                              f"device {t.device}, got {tuple(out.shape)} {out.dtype} {out.device}")
         if _overlaps_itself(out):
             raise ValueError("out must not overlap itself in memory")
-        if _share_memory(out, t):
-            raise ValueError("out must not share memory with t (pass out=t to rotate in place)")
     if t.numel() == 0:
         return _Plan(None)
     x_strides = _token_strides(t, tensor_format)
@@ -1339,6 +1337,9 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         t = t.resolve_neg()          # the kernel reads raw memory: apply the sign first
     if isinstance(out, torch.Tensor) and out is not t and out.is_neg():
         raise ValueError("out must not have the negative bit")
+    if isinstance(out, torch.Tensor) and out is not t and isinstance(t, torch.Tensor) \
+            and _share_memory(out, t):      # data pointers: no part of a plan's key
+        raise ValueError("out must not share memory with t (pass out=t to rotate in place)")
     source = _as_source(freqs, "freqs")
     if start_positions is not None or cu_seqlens is not None or positions is not None:
         start_positions, cu_seqlens, positions = map(_index_tensor,
