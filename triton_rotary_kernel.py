@@ -1337,9 +1337,6 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         t = t.resolve_neg()          # the kernel reads raw memory: apply the sign first
     if isinstance(out, torch.Tensor) and out is not t and out.is_neg():
         raise ValueError("out must not have the negative bit")
-    if isinstance(out, torch.Tensor) and out is not t and isinstance(t, torch.Tensor) \
-            and _share_memory(out, t):      # data pointers: no part of a plan's key
-        raise ValueError("out must not share memory with t (pass out=t to rotate in place)")
     source = _as_source(freqs, "freqs")
     if start_positions is not None or cu_seqlens is not None or positions is not None:
         start_positions, cu_seqlens, positions = map(_index_tensor,
@@ -1351,6 +1348,10 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     plan = _cached_plan(key, lambda: _make_plan(t, source, tensor_format, start_positions,
                                                 cu_seqlens, cp_size, cp_rank, interleaved,
                                                 backward, out, positions))
+    # After the plan, which validated out against t: whether they share memory is a matter
+    # of data pointers, which no plan's key holds, so it is checked on every call.
+    if out is not None and out is not t and _share_memory(out, t):
+        raise ValueError("out must not share memory with t (pass out=t to rotate in place)")
     if out is None:
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
     if plan.launch is not None:
