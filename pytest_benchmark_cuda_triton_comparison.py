@@ -2323,6 +2323,49 @@ def test_exact_angle_sincos_error_bound():
     assert sin.isnan().all() and cos.isnan().all()
 
 
+@triton.jit
+def _fma_probe(A, B, C, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask)
+    b = tl.load(B + offs, mask=mask)
+    c = tl.load(C + offs, mask=mask)
+    tl.store(OUT + offs, triton_rotary_kernel._fma(a, b, c), mask=mask)
+
+
+def _float32_nearest(value):
+    """The float32 nearest to the exact rational `value`, ties to even (independent of any
+    floating-point fma: candidates around float(value), compared in exact arithmetic)."""
+    import numpy as np
+    from fractions import Fraction
+    guess = np.float32(float(value))
+    candidates = [guess, np.nextafter(guess, np.float32(np.inf)), np.nextafter(guess, np.float32(-np.inf))]
+    return min(candidates, key=lambda f: (abs(Fraction(float(f)) - value), int(np.array(f).view(np.int32)) & 1))
+
+
+def test_fma_rounds_once():
+    """The kernel's fma rounds a * b + c once, as the reductions and the exact two-product
+    need, also in interpreters whose tl.fma is a multiply and an add (Triton 3.5.1-3.7.1):
+    against the exact rational result rounded to float32, on products that cancel against c
+    (where two roundings lose everything) and on random sums."""
+    from fractions import Fraction
+    gen = torch.Generator().manual_seed(61)
+    n = 2048
+    a = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 30, (n,), generator=gen).float())
+    b = torch.randn(n, generator=gen)
+    c = -(a * b)                                  # the rounded product: a * b + c is its error
+    c[n // 2:] = torch.randn(n // 2, generator=gen) * torch.exp2(torch.randint(-40, 40, (n // 2,), generator=gen).float())
+    a[0], b[0], c[0] = 1 + 2**-12, 1 + 2**-12, -(1 + 2**-11)       # exactly 2^-24
+    out = torch.empty(n, device=DEVICE)
+    _fma_probe[(triton.cdiv(n, 512),)](a.to(DEVICE), b.to(DEVICE), c.to(DEVICE), out, n, BLOCK=512)
+    out = out.cpu()
+    assert out[0].item() == 2**-24
+    exact = [Fraction(x) * Fraction(y) + Fraction(z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    wrong = [i for i, value in enumerate(exact) if out[i].item() != float(_float32_nearest(value))]
+    assert not wrong, [(a[i].item(), b[i].item(), c[i].item(), out[i].item()) for i in wrong[:5]]
+    assert (out[:n // 2] != 0).sum() > n // 4       # the cancelling half really tested an error term
+
+
 def test_table_angles_lose_accuracy_where_exact_angles_do_not():
     """What the exact path is for: TE's table holds float32(position * inv_freq), whose rounding
     at position ~2^20 is up to 2^-5 rad, so the table path is off by > 1e-4 where the exact

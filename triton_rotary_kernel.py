@@ -85,11 +85,51 @@ _INV_PI_LO = tl.constexpr(1.2841276486597053e-08)
 # (Triton itself reads it at import too).
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _HARDWARE_SINCOS = tl.constexpr(not _INTERPRETING)
+# The reductions and the two-product below need an fma that rounds once. The GPU's does; the
+# interpreters of Triton 3.5.1, 3.6 and 3.7.1 compute tl.fma as a multiply and an add (two
+# roundings: `TRITON_INTERPRET=1`, tl.fma(x, x, -x * x) of float32 x = 1 + 2^-12 gives 0, not
+# 2^-24), which makes the exact-angle path wrong by up to 10% at 16M. So the interpreter gets
+# a correctly rounded float32 fma of its own (`_fma_rounded_once`); the GPU keeps tl.fma.
+_EMULATED_FMA = tl.constexpr(_INTERPRETING)
 
 
 @triton.jit
 def _nan():
     return tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma(a, b, c):
+    """a * b + c rounded once: tl.fma on the GPU (and for float64, which only gradcheck
+    runs), `_fma_rounded_once` for float32 in the interpreter."""
+    if _EMULATED_FMA:
+        if a.dtype == tl.float32:
+            return _fma_rounded_once(a, b, c)
+    return tl.fma(a, b, c)
+
+
+@triton.jit
+def _fma_rounded_once(a, b, c):
+    """float32 a * b + c, correctly rounded, from float64 arithmetic (interpreter only).
+
+    The product of two float32 numbers has at most 48 significant bits: exact in float64.
+    The float64 sum s = fl(p + c) rounds, and its error e = (p + c) - s is exact (TwoSum).
+    Rounding to odd (if e != 0 and s is even, step s one ulp towards e) keeps the sticky
+    information; a float64 value rounded to odd and then to float32 (53 >= 24 + 2 bits) is the
+    correctly rounded float32 result (Boldo and Melquiond, "Emulation of FMA and correctly
+    rounded sums: proved algorithms using rounding to odd", IEEE TC 2008). Where s is not
+    finite, e is NaN and s is kept.
+    """
+    p = tl.cast(a, tl.float32).to(tl.float64) * tl.cast(b, tl.float32).to(tl.float64)
+    c64 = tl.cast(c, tl.float32).to(tl.float64)
+    s = p + c64
+    c_part = s - p
+    e = (p - (s - c_part)) + (c64 - c_part)
+    bits = s.to(tl.int64, bitcast=True)
+    towards_e = tl.where((e > 0) == (s > 0), 1, -1).to(tl.int64)
+    inexact_even = (e != 0) & (e == e) & ((bits & 1) == 0)
+    s = tl.where(inexact_even, bits + towards_e, bits).to(tl.float64, bitcast=True)
+    return s.to(tl.float32)
 
 
 @triton.jit
@@ -102,21 +142,21 @@ def _table_sincos(angle):
     that range. The quadrant k mod 4 swaps and negates.
     """
     k = tl.floor(angle * _TWO_OVER_PI + 0.5)
-    r = tl.fma(-k, _PIO2_1, angle)
-    r = tl.fma(-k, _PIO2_2, r)
-    r = tl.fma(-k, _PIO2_3, r)
+    r = _fma(-k, _PIO2_1, angle)
+    r = _fma(-k, _PIO2_2, r)
+    r = _fma(-k, _PIO2_3, r)
     r2 = r * r
-    s = tl.fma(r2, -2.505210838544172e-08, 2.755731922398589e-06)    # 1/11!, 1/9!
-    s = tl.fma(r2, s, -1.984126984126984e-04)                        # 1/7!
-    s = tl.fma(r2, s, 8.333333333333333e-03)                         # 1/5!
-    s = tl.fma(r2, s, -1.6666666666666666e-01)                       # 1/3!
-    s = tl.fma(r * r2, s, r)
-    c = tl.fma(r2, 2.08767569878681e-09, -2.755731922398589e-07)     # 1/12!, 1/10!
-    c = tl.fma(r2, c, 2.48015873015873e-05)                          # 1/8!
-    c = tl.fma(r2, c, -1.388888888888889e-03)                        # 1/6!
-    c = tl.fma(r2, c, 4.1666666666666664e-02)                        # 1/4!
-    c = tl.fma(r2, c, -0.5)
-    c = tl.fma(r2, c, 1.0)
+    s = _fma(r2, -2.505210838544172e-08, 2.755731922398589e-06)    # 1/11!, 1/9!
+    s = _fma(r2, s, -1.984126984126984e-04)                        # 1/7!
+    s = _fma(r2, s, 8.333333333333333e-03)                         # 1/5!
+    s = _fma(r2, s, -1.6666666666666666e-01)                       # 1/3!
+    s = _fma(r * r2, s, r)
+    c = _fma(r2, 2.08767569878681e-09, -2.755731922398589e-07)     # 1/12!, 1/10!
+    c = _fma(r2, c, 2.48015873015873e-05)                          # 1/8!
+    c = _fma(r2, c, -1.388888888888889e-03)                        # 1/6!
+    c = _fma(r2, c, 4.1666666666666664e-02)                        # 1/4!
+    c = _fma(r2, c, -0.5)
+    c = _fma(r2, c, 1.0)
     q = k.to(tl.int32)
     swap = (q & 1) != 0
     sin = tl.where(swap, c, s)
@@ -147,11 +187,11 @@ def _exact_angle_sincos(hi, err):
     norm) of the exact one; with the output's roundings, the relative error of a rotated pair
     stays below 1.4e-6 (the accuracy tests' bound is 2e-6).
     """
-    k = tl.floor(tl.fma(hi, _INV_PI_HI, tl.fma(hi, _INV_PI_LO, 0.5)))
+    k = tl.floor(_fma(hi, _INV_PI_HI, _fma(hi, _INV_PI_LO, 0.5)))
     # The constants carry the signs, so that no instruction negates k or err.
-    r = tl.fma(k, -_PI_1, hi)
-    r = tl.fma(k, -_PI_2, r)
-    r = tl.fma(k, -_PI_3, r)
+    r = _fma(k, -_PI_1, hi)
+    r = _fma(k, -_PI_2, r)
+    r = _fma(k, -_PI_3, r)
     r = tl.where(tl.abs(hi) < _FAST_REDUCTION_LIMIT, r - err, _nan())
     if _HARDWARE_SINCOS:
         sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r],
@@ -311,8 +351,8 @@ def _rope_tile(tok_block, OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, 
         sin_a, sin_b = sin1[:, None, :], sin2[:, None, :]
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
-    out1 = tl.fma(x1, cos1, -(x2 * sin_a))
-    out2 = tl.fma(x2, cos2, x1 * sin_b)
+    out1 = _fma(x1, cos1, -(x2 * sin_a))
+    out2 = _fma(x2, cos2, x1 * sin_b)
     if IS_THD:
         # Tokens outside every sequence pass through unchanged.
         out1 = tl.where(in_seq[:, None, None], out1, x1)
@@ -632,7 +672,7 @@ def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, n
         hi = pf * inv_freq[None, :]
         # hi - pf * inv_freq exactly: written so, not as fma(pf, inv_freq, -hi), because the
         # compiler turns -hi into a second product of -pf and inv_freq.
-        err = tl.fma(-pf, inv_freq[None, :], hi)
+        err = _fma(-pf, inv_freq[None, :], hi)
         sin, cos = _exact_angle_sincos(hi, err)
     return cos * angle_scale, sin * angle_scale
 
