@@ -67,7 +67,7 @@ help:
 	@echo "Runners (test, test-full, sanitize, bench):"
 	@echo "  docker           in the image, as your user, this checkout mounted"
 	@echo "  local            the current $(PYTHON) if it has what the tests import, else $(VENV)"
-	@echo "                   (made from requirements.txt on first use)"
+	@echo "                   (made from requirements.txt on first use; VENV_ONLY=1: always $(VENV))"
 	@echo "  Without RUNNER: docker when the image exists and nvidia-smi lists a GPU, else local."
 	@echo "  Here now: $(RUNNER) ($(RUNNER_WHY))"
 	@echo "Variables:"
@@ -84,18 +84,20 @@ run:
 	$(DOCKER_RUN) -it $(IMAGE) bash
 
 # Prints the interpreter to use locally, making or completing .venv only when the current one
-# lacks what the tests import.
-TEST_IMPORTS = torch, triton, pytest, xdist, hypothesis, transformers
+# lacks what the tests import (VENV_ONLY=1: always .venv, as CI does). What pip prints goes to
+# stderr, so that the first run shows what it downloads.
+TEST_IMPORTS = torch, triton, numpy, pytest, xdist, hypothesis, transformers
 local-python:
-	@if $(PYTHON) -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
+	@if [ -z "$(VENV_ONLY)" ] && $(PYTHON) -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
 	  echo $(PYTHON); \
 	else \
 	  if ! $(VENV)/bin/python -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
-	    echo "making $(VENV) from requirements.txt (first run only): about 2.5 GB installed with a CPU torch build;" \
-	         "PyPI's Linux torch is the CUDA build, about 3 GB to download" >&2; \
+	    echo "making $(VENV) from requirements.txt (first run only): PyPI's Linux torch is the CUDA" \
+	         "build whether or not there is a GPU, so pip downloads about 3 GB (torch and its nvidia-*" \
+	         "wheels) and $(VENV) takes about 5 GB" >&2; \
 	    $(PYTHON) -m venv $(VENV) >&2 && \
-	    $(VENV)/bin/python -m pip install -q --upgrade pip >&2 && \
-	    $(VENV)/bin/python -m pip install -q -r requirements.txt >&2 || exit 1; \
+	    $(VENV)/bin/python -m pip install --progress-bar on --upgrade pip >&2 && \
+	    $(VENV)/bin/python -m pip install --progress-bar on -r requirements.txt >&2 || exit 1; \
 	  fi; \
 	  echo $(VENV)/bin/python; \
 	fi
@@ -117,8 +119,11 @@ else
 test test-full:
 	@PY=$$($(MAKE) -s --no-print-directory local-python RUNNER=local) && \
 	echo "runner: local, $$PY ($(RUNNER_WHY))" && \
+	$$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" && \
 	PARALLEL=$$(if [ -z "$(GPU_FOUND)" ] && $$PY -c "import xdist" 2>/dev/null; then echo "-n auto"; fi) && \
-	$$PY $(PYTEST) $$PARALLEL $(TEST_ARGS)
+	START=$$(date +%s) && { $$PY $(PYTEST) $$PARALLEL $(TEST_ARGS); rc=$$?; \
+	echo "make $@: the tests took $$(( $$(date +%s) - START )) s (the one-time install not included)"; \
+	exit $$rc; }
 sanitize:
 	@[ -n "$(GPU_FOUND)" ] || { echo "make sanitize needs a CUDA GPU and compute-sanitizer" >&2; exit 1; }
 	@PY=$$($(MAKE) -s --no-print-directory local-python RUNNER=local) && \
