@@ -12,19 +12,24 @@ results are also compared with it; elsewhere those cases are skipped with the re
 import collections
 import functools
 import itertools
+import json
 import math
 import os
 import re
-import statistics
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+import rope_bench_report as report
+from rope_bench_report import (
+    ARTIFACTS_ROOT, BENCH_DEFAULTS, KERNEL_MODES, MODEL_MODES, MODEL_POINTS, MODES, PEERS, PROVIDERS,
+    SWEEPS)
 from te_comparator import load_te_qkv_rope, load_te_rope
 import triton_rotary_kernel
-from triton_rotary_kernel import _program_tokens, _tile_sequences, set_rotary_kernel
+from triton_rotary_kernel import _program_tokens, _tile_sequences, set_rotary_kernel, set_rotary_qkv_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb,
     apply_rotary_pos_emb_inplace)
@@ -2748,75 +2753,137 @@ def test_fused_qkv_mrope(tensor_format):
     assert _rel_error(dx, ref_dx) < EXACT_REL_TOL
 
 
-# --- Accuracy study (README): error vs position, table vs exact angles ---
+# --- Accuracy study (README): error vs position, ours and what other libraries compute ---
+
+ACCURACY_PATH = os.path.join(report.ARTIFACTS_ROOT, "accuracy_vs_position.png")
+ACCURACY_INPUTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _transformers_rope(x, pos, inv_freq):
+    """x [tokens, 1, heads, d] rotated as transformers' Llama does it (LlamaRotaryEmbedding.forward
+    and apply_rotary_pos_emb in transformers/models/llama/modeling_llama.py): angles position *
+    inv_freq in float32 (4.x: inv_freq @ positions with autocast off; 5.x: a product; one
+    rounding either way), cos/sin in float32, cast to x's dtype, then x * cos + rotate_half(x) *
+    sin in x's dtype, each operation rounded to it. Liger's rope (liger_kernel/ops/rope.py,
+    _triton_rope) takes these cos/sin and casts x to their dtype before the same products, so
+    it computes this too (on a GPU its Triton code may fuse a product into an fma)."""
+    angles = pos.float()[:, None] * inv_freq.float()
+    emb = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _flash_attn_rope(x, pos, inv_freq):
+    """x [tokens, 1, heads, d] rotated as flash-attn does it: its RotaryEmbedding's cache
+    (flash_attn/layers/rotary.py, _update_cos_sin_cache: torch.outer(positions in float32,
+    inv_freq), cos/sin in float32, cast to x's dtype) and its Triton kernel
+    (flash_attn/ops/triton/rotary.py, rotary_kernel: x, cos and sin loaded as float32,
+    x0 * cos - x1 * sin and x0 * sin + x1 * cos in float32, stored in x's dtype)."""
+    angles = torch.outer(pos.float(), inv_freq.float())[:, None, None, :]
+    cos, sin = angles.cos().to(x.dtype).float(), angles.sin().to(x.dtype).float()
+    x0, x1 = x.float().chunk(2, dim=-1)
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).to(x.dtype)
+
+
+def _accuracy_positions(k, tokens, gen):
+    """`tokens` positions in (2^(k-1), 2^k], the largest 2^k itself (2^24 - 1 for k = 24, the
+    exact path's last position). Powers of two alone would flatter the tables:
+    float32(2^k * inv_freq) is exact."""
+    top = min(2**k, MAX_EXACT_POSITION)
+    low = 2 ** (k - 1) + 1 if k > 0 else top
+    return torch.cat([torch.tensor([top]), torch.randint(low, top + 1, (tokens - 1,), generator=gen)])
+
+
+def _rounded(ref, dtype, truncate=False):
+    """The float64 `ref` stored in `dtype`: rounded to nearest even, as a GPU stores, or with
+    `truncate` (bfloat16 only) toward zero, as Triton's interpreter casts float32 to bfloat16."""
+    if truncate and dtype == torch.bfloat16:
+        return (ref.float().view(torch.int32) & -65536).view(torch.float32)     # the top 16 bits
+    return ref.to(dtype)
+
+
+def _accuracy_errors(t, pos, table, emb):
+    """{method: relative error} of one input t [tokens, 1, heads, d] at positions pos, against
+    its rotation in float64; "rounding" is that rotation rounded to t's dtype (the least error
+    any output in that dtype has), "store_rounding" the same as this backend's stores round."""
+    ref = _rotate64(t, _pair_positions(pos[:, None], t.shape[-1] // 2), emb.inv_freq, False)
+    outputs = dict(table=apply_rotary_pos_emb(t.to(DEVICE), table),
+                   exact=apply_rotary_pos_emb(t.to(DEVICE), emb, positions=pos.to(DEVICE)),
+                   transformers=_transformers_rope(t, pos, emb.inv_freq.cpu()),
+                   flash_attn=_flash_attn_rope(t, pos, emb.inv_freq.cpu()),
+                   rounding=_rounded(ref, t.dtype),
+                   store_rounding=_rounded(ref, t.dtype, truncate=not ON_GPU))
+    return {method: _rel_error(out, ref) for method, out in outputs.items()}
+
 
 def _accuracy_vs_position(head_dim=128, tokens=4, heads=4, seed=50):
-    """Relative error ||out - ref|| / ||ref|| against the float64 rotation, float32 input, for
-    (a) the table path (TE's float32 angle table) and (b) the exact path (the module), at
-    positions up to 2^k for k = 0..24: `tokens` positions in (2^(k-1), 2^k], the largest
-    2^k itself (2^24 - 1 for k = 24, the exact path's last position). Powers of two alone would
-    flatter the table: float32(2^k * inv_freq) is exact. Runs one position per call so that the
-    table can be TE's row itself (`emb(1, offset=p)`, equal to row p of the full table).
-    Returns rows (k, largest position, table error, exact error)."""
+    """Relative error ||out - ref|| / ||ref|| against the rotation in float64 of the same
+    input, float32 and bfloat16 input, at positions up to 2^k for k = 0..24
+    (_accuracy_positions), of: our table path (TE's float32 angle table), our exact path (the
+    module), transformers' Llama (and Liger) and flash-attn as _transformers_rope and
+    _flash_attn_rope compute them, and the float64 rotation rounded to the input dtype. All
+    take the module's inv_freq, the float32 1 / base^(2i/d) that TE, transformers and
+    flash-attn compute alike, so that the angle and rotation arithmetic are what differ. Runs
+    one position per call so that the table can be TE's row itself (`emb(1, offset=p)`, equal
+    to row p of the full table). Returns one dict per k: k, max_position and
+    report.accuracy_column(dtype, method) for every dtype and method (and "store_rounding":
+    see _accuracy_errors)."""
     gen = torch.Generator().manual_seed(seed)
     emb = RotaryPositionEmbedding(head_dim, device=DEVICE)
     rows = []
     for k in range(25):
-        top = min(2**k, MAX_EXACT_POSITION)
-        low = 2 ** (k - 1) + 1 if k > 0 else top
-        pos = torch.cat([torch.tensor([top]), torch.randint(low, top + 1, (tokens - 1,), generator=gen)])
-        t = torch.randn(tokens, 1, heads, head_dim, generator=gen).to(DEVICE)
+        pos = _accuracy_positions(k, tokens, gen)
+        t32 = torch.randn(tokens, 1, heads, head_dim, generator=gen)
         table = torch.cat([emb(1, offset=int(p)) for p in pos])                 # TE's rows p
-        ref = _rotate64(t, _pair_positions(pos[:, None], head_dim // 2), emb.inv_freq, False)
-        rows.append((k, top,
-                     _rel_error(apply_rotary_pos_emb(t, table), ref),
-                     _rel_error(apply_rotary_pos_emb(t, emb, positions=pos.to(DEVICE)), ref)))
+        row = dict(k=k, max_position=int(pos[0]))
+        for dtype_name, dtype in ACCURACY_INPUTS.items():
+            errors = _accuracy_errors(t32.to(dtype), pos, table, emb)
+            row.update({report.accuracy_column(dtype_name, m): e for m, e in errors.items()})
+        rows.append(row)
     return rows
 
 
-def plot_accuracy(path="artifacts/accuracy_vs_position.png", rows=None):
+def plot_accuracy(path=ACCURACY_PATH, rows=None):
     """The accuracy study (`rows`, else computed now) as a plot at `path` and a CSV next to it
     (same name, .csv); returns the rows. The committed artifacts come from a GPU (the hardware
-    sin/cos of the positions path); the interpreter takes numpy's sin/cos there."""
-    import csv
+    sin/cos of the positions path, bfloat16 stores rounded to nearest); the interpreter takes
+    numpy's sin/cos and truncates bfloat16 stores, and its plot says so."""
     if rows is None:
         rows = _accuracy_vs_position()
-    stem = os.path.splitext(str(path))[0]
-    with open(stem + ".csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["k", "max_position", "table_rel_error", "exact_rel_error"])
-        writer.writerows((k, p, f"{a:.3e}", f"{e:.3e}") for k, p, a, e in rows)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    positions = [p for _, p, _, _ in rows]
-    ax.loglog(positions, [a for _, _, a, _ in rows], "o-", label="table path (TE's float32 angles)")
-    ax.loglog(positions, [e for _, _, _, e in rows], "s-", label="exact path (position * inv_freq)")
-    ax.axhline(EXACT_REL_TOL, color="gray", ls="--", lw=0.8, label="test bound 2e-6")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("largest position 2^k (4 tokens in (2^(k-1), 2^k], 2^24 - 1 at the end)")
-    ax.set_ylabel("relative error vs float64")
-    ax.set_title("RoPE, head dim 128, base 10000, float32 input")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
-    plt.close(fig)
+    where = "" if ON_GPU else " [Triton interpreter: numpy sin/cos, bfloat16 stores truncated]"
+    report.write_accuracy_plot(path, rows, EXACT_REL_TOL, "RoPE error vs position: head dim 128, base "
+                               f"10000, 4 tokens x 4 heads per point{where}")
     return rows
 
 
 def test_accuracy_vs_position(tmp_path):
-    """The study's story: the table's error grows with the position (float32 angles lose
-    absolute precision as they grow) and passes 1e-4 by 2^20, while the exact path stays below
-    2e-6 everywhere up to 2^24 - 1."""
+    """The study's story. Float32 input: the table's error grows with the position (float32
+    angles lose absolute precision as they grow) and passes 1e-4 by 2^20, as does every
+    method built on float32 angles (transformers, flash-attn), while the exact path stays
+    below 2e-6 everywhere up to 2^24 - 1. bfloat16 input: the exact path's error is the
+    output's rounding and no more (< 2^-8), transformers' is above it at every position
+    (bfloat16 tables and arithmetic), and every float32-angle method is far above it at 2^24."""
     rows = _accuracy_vs_position()
-    table = {k: a for k, _, a, _ in rows}
-    assert all(e < EXACT_REL_TOL for _, _, _, e in rows), rows
+    err = {(d, m): [r[report.accuracy_column(d, m)] for r in rows]
+           for d in ACCURACY_INPUTS for m in list(report.ACCURACY_METHODS) + ["store_rounding"]}
+    table = err["fp32", "table"]
+    assert all(e < EXACT_REL_TOL for e in err["fp32", "exact"]), err["fp32", "exact"]
     assert table[20] > 1e-4
     # every four octaves the table's error grows (about 16x: one float32 ulp of the angle)
     assert all(table[k + 4] > 4 * table[k] for k in range(8, 21)), table
     assert table[24] > 1e-3 and table[4] < EXACT_REL_TOL
+    for method in ("transformers", "flash_attn"):
+        assert err["fp32", method][20] > 1e-4 and err["fp32", method][4] < EXACT_REL_TOL, method
+        assert err["bf16", method][24] > 10 * err["bf16", "exact"][24], method
+    exact, floor = err["bf16", "exact"], err["bf16", "store_rounding"]
+    assert all(e < 2.0**-8 for e in exact), exact
+    assert all(e <= 1.02 * f for e, f in zip(exact, floor)), (exact, floor)
+    # above the rounding to nearest at every position, so above ours on a GPU (ours is that
+    # rounding there); the interpreter's truncating stores make ours larger, hence the floor
+    assert all(hf > 1.2 * f for hf, f in zip(err["bf16", "transformers"], err["bf16", "rounding"])), err
+    if ON_GPU:
+        assert all(hf >= e for hf, e in zip(err["bf16", "transformers"], exact)), err
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -2846,103 +2913,182 @@ def test_more_than_2_pow_31_elements():
     torch.testing.assert_close(set_rotary_kernel(t, freqs)[-1:], expected_last)
 
 
+# --- The benchmark's report (rope_bench_report.py): tables, stamp, plots ---------------------
+
+def _model_row(ms, copy_ms, **extra):
+    return dict(ms=ms, copy_ms=copy_ms, **extra)
+
+
 def test_kernels_overview_counts_kernel_modes_only():
-    """The cross-GPU summary's overview of the models sweep: kernels-alone modes only, fractions
-    from each row's own copy time, the best peer compared where there is one."""
-    def row(ms, copy_ms):
-        return dict(ms=ms, copy_ms=copy_ms)
-    table = {("a", "bf16", "forward_kernel"): dict(triton_positions=row(1.0, 0.99), triton=row(2.0, 1.0),
-                                                    flash_attn=row(1.0, 0.95)),
-             ("a", "bf16", "backward_kernel"): dict(triton_positions=row(1.0, 0.96)),
-             ("a", "bf16", "forward+backward"): dict(triton_positions=row(10.0, 1.0))}
-    overview = _kernels_overview(table)
-    assert overview["triton_positions"] == (2, 1, pytest.approx(0.975), pytest.approx(0.96), 1, 1)
-    assert overview["triton"] == (1, 0, pytest.approx(0.5), pytest.approx(0.5), 1, 0)
-    assert _kernels_overview({("a", "bf16", "forward+backward"): dict(triton=row(1.0, 1.0))})["triton"] is None
+    """The short table's models rows: kernels-alone modes only, fractions from each row's own
+    copy time, the best peer compared where there is one, TE where a point has a TE row."""
+    table = {("a", "bf16", "forward_kernel"): dict(triton_positions=_model_row(1.0, 0.99),
+                                                    triton=_model_row(2.0, 1.0),
+                                                    flash_attn=_model_row(1.0, 0.95),
+                                                    te=_model_row(1.5, 1.0)),
+             ("a", "bf16", "backward_kernel"): dict(triton_positions=_model_row(1.0, 0.96)),
+             ("a", "bf16", "forward+backward"): dict(triton_positions=_model_row(10.0, 1.0))}
+    overview = report.kernels_overview(table)
+    positions, table_path = overview["triton_positions"], overview["triton"]
+    assert positions[:6] == (2, 1, pytest.approx(0.975), pytest.approx(0.96), 1, 1)
+    assert (positions.with_te, positions.at_te, positions.min_te_speedup) == (1, 1, 1.5)
+    assert table_path[:6] == (1, 0, pytest.approx(0.5), pytest.approx(0.5), 1, 0)
+    assert (table_path.with_te, table_path.at_te, table_path.min_te_speedup) == (1, 0, 0.75)
+    only_eager = {("a", "bf16", "forward+backward"): dict(triton=_model_row(1.0, 1.0))}
+    assert report.kernels_overview(only_eager)["triton"] is None
+
+
+def _edited_kernel(tmp_path, name, edit):
+    """A copy of triton_rotary_kernel.py with `edit` (text -> text) applied."""
+    with open(report.KERNEL_FILE) as f:
+        text = f.read()
+    path = tmp_path / f"{name}.py"
+    path.write_text(edit(text))
+    return str(path)
+
+
+def _replace_line(pattern, new):
+    """An edit replacing the one line that matches `pattern` (a regex) with `new`."""
+    def edit(text):
+        edited, count = re.subn(pattern, new, text, count=1, flags=re.MULTILINE)
+        assert count == 1, f"no line matches {pattern!r} in triton_rotary_kernel.py"
+        return edited
+    return edit
+
+
+def test_device_code_stamp_ignores_host_code(tmp_path):
+    """The stamp changes with the device code (a @triton.jit function, a tl.constexpr global)
+    and the launch rule (a constant launch_config reads), and not with host code (a new host
+    function, a host check's limit, the plan cache's size)."""
+    stamp = report.device_code_stamp
+    base = stamp(_edited_kernel(tmp_path, "same", lambda text: text))
+    assert base == stamp() and re.fullmatch(r"[0-9a-f]{12}", base)
+    host_edits = {
+        "host_function": lambda text: text + "\n\ndef _host_only_helper():\n    return 1\n",
+        "host_check": _replace_line(r"^MAX_SEQUENCES = .*$", "MAX_SEQUENCES = 2**25"),
+        "plan_cache": _replace_line(r"^_MAX_PLANS = .*$", "_MAX_PLANS = 17"),
+    }
+    device_edits = {
+        "jit_function": lambda text: text + "\n\n@triton.jit\ndef _new_device_helper(x):\n    return x + 1\n",
+        "constexpr": _replace_line(r"^SEARCH_FAN = tl\.constexpr\(.*$", "SEARCH_FAN = tl.constexpr(2)"),
+        "launch_constant": _replace_line(r"^TILE_BYTES = .*$", "TILE_BYTES = 2048"),
+        "qkv_tile": _replace_line(r"^QKV_TILE_BYTES = .*$", "QKV_TILE_BYTES = 4096"),
+    }
+    for name, edit in host_edits.items():
+        assert stamp(_edited_kernel(tmp_path, name, edit)) == base, name
+    for name, edit in device_edits.items():
+        assert stamp(_edited_kernel(tmp_path, name, edit)) != base, name
+
+
+def test_device_code_stamp_is_the_gpu_processes_stamp():
+    """The stamp is the same with and without the interpreter: it takes the constexpr values
+    of a GPU process (the interpreter turns _HARDWARE_SINCOS off in the kernel module it
+    imports, not in the copy the stamp reads)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import rope_bench_report as r; print(r.device_code_stamp())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(report.KERNEL_FILE), env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == report.device_code_stamp()
+
+
+def _fake_sweep_rows(sweep, x, dtype, mode, ms, **stamp):
+    """Result rows of one parameter-sweep point: {provider: ms}."""
+    return [dict(sweep=sweep, x=x, dtype=dtype, mode=mode, provider=p, ms=v, bytes=2**20, **stamp)
+            for p, v in ms.items()]
+
+
+def _fake_models_rows(point, dtype, mode, ms, copy_ms, **stamp):
+    return [dict(sweep="models", x=point, dtype=dtype, mode=mode, provider=p, ms=v, p20=v, p80=v,
+                 bytes=2**20, copy_ms=copy_ms, **stamp) for p, v in ms.items()]
+
+
+def _fake_artifacts(tmp_path, monkeypatch, rows):
+    """An artifacts root in tmp_path with one GPU folder "gpu" holding `rows`."""
+    monkeypatch.setattr(report, "ARTIFACTS_ROOT", str(tmp_path))
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "results.json").write_text(json.dumps(rows))
+    env = {"GPU": "Test GPU 80GB", "driver": "1", "torch": "2.x", "triton": "3.x",
+           "Transformer Engine": "TE test", "date": "today"}
+    (tmp_path / "gpu" / "run.json").write_text(json.dumps({"environment": env}))
+    return tmp_path / "gpu"
+
+
+def _fake_results(stamp):
+    rows = []
+    for x, triton_ms in ((512, 1.0), (1024, 2.0)):
+        for mode in ("forward", "forward+backward"):
+            rows += _fake_sweep_rows("seq_length", x, "bf16", mode,
+                                dict(torch=4 * x / 512, te=1.5 * x / 512, triton=triton_ms, copy=0.99 * x / 512),
+                                **stamp)
+    for mode in report.MODEL_MODES:
+        rows += _fake_models_rows("8B-TP1-q-8K", "bf16", mode, dict(copy=1.0, triton=1.25, triton_positions=1.0,
+                                                                 flash_attn=1.1), 1.0, **stamp)
+    return rows
+
+
+def test_report_regenerates_every_plot_and_the_page(tmp_path, monkeypatch):
+    """regenerate() from results.json alone: the short table leads SUMMARY.md with the numbers
+    of the rows, every plot is on results.html, the sweep CSV holds fractions of copy, and the
+    forward+backward plot is one figure (eager beside CUDA graph)."""
+    pytest.importorskip("matplotlib")
+    out = _fake_artifacts(tmp_path, monkeypatch, _fake_results(dict(kernel="k", device_code="old")))
+    report.regenerate()
+    summary = (out / "SUMMARY.md").read_text().splitlines()
+    table_start = next(i for i, line in enumerate(summary) if line.startswith("| scope |"))
+    assert all(not line.startswith("## ") for line in summary[:table_start])    # the table leads
+    kernels = summary[table_start + 2:table_start + 5]
+    assert kernels[0].startswith("| models, kernels alone | Triton (freqs table) | 2 | 0 / 2 | 0.800 |")
+    assert kernels[1].startswith("| models, kernels alone | Triton (positions) | 2 | 2 / 2 | 1.000 |")
+    assert kernels[2] == ("| parameter sweeps, all modes | Triton (freqs table) | 4 | 4 / 4 | 0.990 | 0.990 | "
+                          "no peer measured | 4 / 4 (1.50x) |")
+    assert "of the current device code" in "\n".join(summary) and " 0 of " in "\n".join(summary)
+    pngs = {p.name for p in out.glob("*.png")}
+    page = (out / "results.html").read_text()
+    assert pngs and all(f'src="{name}"' in page for name in pngs)
+    assert {"models_bf16_forward_kernel.png", "models_bf16_forward_backward_eager_vs_cuda_graph.png",
+            "rope_forward_bf16_seq_length.png"} <= pngs
+    assert "models_bf16_forward_backward.png" not in pngs and "Test GPU 80GB" in page
+    csv_rows = (out / "rope_forward_bf16_seq_length.csv").read_text().splitlines()
+    header = csv_rows[0].split(",")
+    assert csv_rows[1].split(",")[header.index("Triton (fraction of copy)")] == "0.9900"
+    assert (tmp_path / "SUMMARY.md").read_text().startswith("# Benchmarks across GPUs")
+
+
+def test_report_fraction_axis_holds_every_value():
+    """One y range for every fraction plot: FRACTION_TOP while the values fit under it, else
+    a top above the largest value, for all plots alike."""
+    fits = _fake_sweep_rows("seq_length", 512, "bf16", "forward", dict(triton=1.0, copy=1.05))
+    assert report._fraction_top([fits]) == report.FRACTION_TOP
+    beyond = _fake_sweep_rows("seq_length", 512, "bf16", "forward", dict(triton=1.0, copy=1.3))
+    assert report._fraction_top([fits, beyond]) > 1.3
+
+
+def test_restamp_marks_rows_and_the_summary_says_so(tmp_path, monkeypatch):
+    """restamp gives the rows of one kernel-sources hash the device-code stamp, leaves other
+    rows alone, records the note in run.json, and the summaries count those rows as current
+    and print the note."""
+    current = report.device_code_stamp()
+    rows = _fake_results(dict(kernel="aaaa")) + _fake_sweep_rows("margin", 0, "bf16", "forward",
+                                                            dict(triton=1.0, copy=1.0), kernel="bbbb")
+    out = _fake_artifacts(tmp_path, monkeypatch, rows)
+    assert report.restamp(["gpu"], "aaaa", current, "generated code compared: identical") == {"gpu": len(rows) - 2}
+    stored = json.loads((out / "results.json").read_text())
+    assert [r.get("device_code") for r in stored] == [current] * (len(rows) - 2) + [None, None]
+    assert json.loads((out / "run.json").read_text())["restamped"][0]["note"] == "generated code compared: identical"
+    report.regenerate()
+    for summary in (out / "SUMMARY.md", tmp_path / "SUMMARY.md"):
+        text = summary.read_text()
+        assert f"gpu {len(rows) - 2} of {len(rows)}" in text and "generated code compared: identical" in text
 
 
 # ---------------------------------------------------------------------------------------------
 # Benchmarks: python pytest_benchmark_cuda_triton_comparison.py [--sweeps a,b] [--dtypes bf16]
 # ---------------------------------------------------------------------------------------------
 
-from typing import Callable, NamedTuple  # noqa: E402
-
-from triton_rotary_kernel import set_rotary_qkv_kernel  # noqa: E402
-
-ARTIFACTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts")
-BENCH_DEFAULTS = dict(seq_length=4096, hidden_size=128, rotary_percent=1.0, batch_size=16,
-                      head_num=32, margin=0, interleaved=False, tensor_format="sbhd")
-
-# Per-GPU shapes of real models, one sequence (b = 1) per GPU unless packed (thd). Llama-3
-# style heads: 8B = 32 query / 8 key heads, 70B = 64 / 8, d 128; at tensor parallelism 8 a GPU
-# holds 1/8 of them. `kv` is the layer's key heads that go with a query tensor: liger rotates
-# q and k in one call, so it runs at the query points with k of that many heads; the key
-# points are our kernel's second call of the same layer. Every input is >= 16 MiB in bf16,
-# so that launch latency does not decide the timings (checked when the sweep runs).
-MODEL_POINTS = [
-    dict(name="8B-TP1-q-8K", layout="sbhd", tokens=8192, heads=32, d=128, kv=8),
-    dict(name="8B-TP1-k-8K", layout="sbhd", tokens=8192, heads=8, d=128),
-    dict(name="70B-TP1-q-8K", layout="sbhd", tokens=8192, heads=64, d=128, kv=8),
-    dict(name="8B-TP8-q-64K", layout="sbhd", tokens=65536, heads=4, d=128, kv=1),
-    dict(name="8B-TP8-k-64K", layout="sbhd", tokens=65536, heads=1, d=128),
-    dict(name="70B-TP8-q-128K", layout="sbhd", tokens=131072, heads=8, d=128, kv=1),
-    dict(name="70B-TP8-k-128K", layout="sbhd", tokens=131072, heads=1, d=128),
-    # Other head dims: a 1B-class model (32 q / 8 kv, d 64), phi-2-like (32 heads, no GQA,
-    # d 80: not a power of two), Gemma-2B-like (8 q / 1 kv, d 256).
-    dict(name="d64-h32-16K", layout="sbhd", tokens=16384, heads=32, d=64, kv=8),
-    dict(name="d80-h32-16K", layout="sbhd", tokens=16384, heads=32, d=80, kv=32),
-    dict(name="d256-h8-16K", layout="sbhd", tokens=16384, heads=8, d=256, kv=1),
-    # Packed sequences: many short ones, and a seeded mix of lengths 16-1024 (SFT-style packing).
-    dict(name="thd-2048x64-h8", layout="thd", seqs=2048, seq_len=64, heads=8, d=128),
-    dict(name="thd-mixed-16K-h32", layout="thd", tokens=16384, min_len=16, max_len=1024, seed=0,
-         heads=32, d=128),
-    # Fused QKV [s, 1, kv, (q_per_kv + 2) * d]: 8B at TP1 (8 kv x 4 q), 70B at TP8 (1 kv x 8 q).
-    dict(name="qkv-8B-TP1-8K", layout="qkv", tokens=8192, kv=8, q_per_kv=4, d=128),
-    dict(name="qkv-70B-TP8-32K", layout="qkv", tokens=32768, kv=1, q_per_kv=8, d=128),
-    # M-RoPE of a 7B vision-language model (Qwen2-VL-7B: 28 query / 4 key heads, d 128,
-    # mrope_section 16/24/24), 3-axis positions of text around an image (_vlm_positions): one
-    # sequence of 8K tokens (its key heads alone are under 16 MiB: they are the thd key point),
-    # and thd with 8 such sequences. The table path reads a per-token table of the mixed angles.
-    dict(name="VLM-7B-q-8K", layout="sbhd", tokens=8192, heads=28, d=128, kv=4, mrope=(16, 24, 24)),
-    dict(name="VLM-7B-q-thd-8x8K", layout="thd", seqs=8, seq_len=8192, heads=28, d=128,
-         mrope=(16, 24, 24)),
-    dict(name="VLM-7B-k-thd-8x8K", layout="thd", seqs=8, seq_len=8192, heads=4, d=128,
-         mrope=(16, 24, 24)),
-]
-MIN_MODEL_INPUT_BYTES = 16 * 2 ** 20
-
-SWEEPS = {
-    "seq_length": [512, 1024, 2048, 4096],
-    "hidden_size": [128, 256, 512],
-    "rotary_percent": [0.5, 1.0],
-    "batch_size": [2, 4, 8, 16],
-    "head_num": [8, 16, 32, 64],
-    "margin": [0, 10, 33, 77],
-    "interleaved": [False, True],
-    "tensor_format": ["sbhd", "bshd"],
-    "thd_empty_sequences": [0, 16, 48, 112],
-    "qkv_seq_length": [1024, 2048, 4096],
-    "models": [p["name"] for p in MODEL_POINTS],
-}
 BENCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MODES = ("forward", "backward", "forward+backward")
-# The models sweep times the kernels alone (one call, replayed from a CUDA graph), the eager
-# autograd step, and the same step replayed from a CUDA graph: eager minus graph is what the
-# host costs per step.
-KERNEL_MODES = ("forward_kernel", "backward_kernel")
-MODEL_MODES = KERNEL_MODES + ("forward+backward", "forward+backward (CUDA graph)")
-PROVIDERS = {"torch": "Torch Native", "compile": "torch.compile", "te": "Transformer Engine",
-             "triton": "Triton", "copy": "Device copy"}
-STYLES = [("tab:gray", "-"), ("tab:orange", "-"), ("tab:green", "-"), ("tab:blue", "-"),
-          ("black", "--")]
-MODEL_PROVIDERS = {"triton": "Triton (freqs table)", "triton_positions": "Triton (positions)",
-                   "liger": "Liger", "flash_attn": "flash-attn (Triton)",
-                   "liger_mrope": "Liger M-RoPE (qwen2vl_mrope)", "triton_copy": "Triton copy"}
-MODEL_COLORS = {"triton": "tab:blue", "triton_positions": "tab:cyan", "liger": "tab:red",
-                "flash_attn": "tab:purple", "liger_mrope": "tab:brown", "triton_copy": "tab:gray"}
-OURS = ("triton", "triton_positions")
-PEERS = ("liger", "flash_attn", "liger_mrope")
-TARGET_FRACTION = 0.97
+MIN_MODEL_INPUT_BYTES = 16 * 2 ** 20
 _BENCH_CALLS = [0]
 
 
@@ -3036,48 +3182,31 @@ def _time_point(fn, mode, t, is_copy):
     return _bench_ms(lambda: torch.autograd.grad(as_tuple(fn(x)), x, grads))
 
 
-def _make_benchmark(sweep, dtype_name, mode, results):
-    import triton.testing
+def _run_sweep(sweep, dtype_name, mode, results, progress):
+    """Time one parameter sweep in one dtype and mode: at each of its points every provider
+    (TE where it loads), one row each in `results`. `progress` ("[sweep i/N] name") starts
+    the line printed per point."""
     te_loader = load_te_qkv_rope if sweep == "qkv_seq_length" else load_te_rope
     providers = [p for p in PROVIDERS if p != "te" or te_loader()[0] is not None]
-    dtype = BENCH_DTYPES[dtype_name]
-    plot_name = f"rope_{mode.replace('+', '_')}_{dtype_name}_{sweep}"
-
-    @triton.testing.perf_report(triton.testing.Benchmark(
-        x_names=[sweep], x_vals=SWEEPS[sweep], line_arg="provider", line_vals=providers,
-        line_names=[PROVIDERS[p] for p in providers],
-        styles=[STYLES[list(PROVIDERS).index(p)] for p in providers],
-        ylabel="ms", plot_name=plot_name,
-        args={k: v for k, v in BENCH_DEFAULTS.items() if k != sweep}))
-    def bench(provider, **params):
-        t, fns = _workload(sweep, params, dtype)
-        try:
-            timing = _time_point(fns[provider], mode, t, is_copy=provider == "copy")
-        except Exception as err:  # e.g. torch.compile failing on this torch: leave the point out
-            print(f"  {PROVIDERS[provider]} failed at {sweep}={params[sweep]}: {err!r}", flush=True)
-            return float("nan"), float("nan"), float("nan")
-        moved = 2 * t.numel() * t.element_size() * (2 if mode == "forward+backward" else 1)
-        results.append(dict(sweep=sweep, x=params[sweep], dtype=dtype_name, mode=mode,
-                            provider=provider, ms=timing[0], bytes=moved))
-        print(f"  {plot_name} {sweep}={params[sweep]} {PROVIDERS[provider]}: {timing[0]:.4f} ms "
-              f"({moved / timing[0] / 1e6:.0f} GB/s)", flush=True)
-        del t
-        return timing
-
-    return bench, plot_name
+    values = SWEEPS[sweep]
+    for j, value in enumerate(values, 1):
+        print(f"{progress}, {dtype_name}, {mode}, point {j}/{len(values)}: {sweep}={value}", flush=True)
+        params = {**BENCH_DEFAULTS, sweep: value}
+        for provider in providers:
+            _time_sweep_point(sweep, params, dtype_name, mode, provider, results)
 
 
-def _add_gbps_columns(csv_path, points):
-    """Append a GB/s column per line to a perf_report CSV (bytes read + written over time)."""
-    import csv
-    with open(csv_path) as f:
-        rows = list(csv.reader(f))
-    names = rows[0][1:]
-    rows[0] += [f"{n.replace(' (ms)', '')} (GB/s)" for n in names]
-    for row, moved in zip(rows[1:], points):
-        row += [f"{moved / float(ms) / 1e6:.1f}" if ms not in ("", "nan") else "" for ms in row[1:1 + len(names)]]
-    with open(csv_path, "w", newline="") as f:
-        csv.writer(f).writerows(rows)
+def _time_sweep_point(sweep, params, dtype_name, mode, provider, results):
+    t, fns = _workload(sweep, params, BENCH_DTYPES[dtype_name])
+    try:
+        timing = _time_point(fns[provider], mode, t, is_copy=provider == "copy")
+    except Exception as err:  # e.g. torch.compile failing on this torch: leave the point out
+        print(f"  {PROVIDERS[provider]} failed: {err!r}", flush=True)
+        return
+    moved = 2 * t.numel() * t.element_size() * (2 if mode == "forward+backward" else 1)
+    results.append(dict(sweep=sweep, x=params[sweep], dtype=dtype_name, mode=mode, provider=provider,
+                        ms=timing[0], p20=timing[1], p80=timing[2], bytes=moved))
+    print(f"  {PROVIDERS[provider]}: {timing[0]:.4f} ms ({moved / timing[0] / 1e6:.0f} GB/s)", flush=True)
 
 
 def _environment():
@@ -3406,13 +3535,17 @@ def _copy_ms(copies, x, moved, mode):
     return done[passes]
 
 
-def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None):
+def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progress="[models]"):
     """Time every models point: per provider and mode its ms and the ms of an eager device
     copy of the same bytes (one copy per pass; two for forward+backward). Inputs are built
-    once per point and dtype and freed before the next."""
+    once per point and dtype and freed before the next. `progress` starts the line printed
+    per point and dtype."""
     import gc
-    for point in points or MODEL_POINTS:
+    points = points or MODEL_POINTS
+    for j, point in enumerate(points, 1):
         for dtype_name in dtype_names:
+            print(f"{progress}, {dtype_name}, modes {'/'.join(modes)}, point {j}/{len(points)}: "
+                  f"{point['name']}", flush=True)
             work = _model_workload(point, BENCH_DTYPES[dtype_name], shrink)
             x = work["x"]
             if shrink == 1 and x.numel() * 2 < MIN_MODEL_INPUT_BYTES:
@@ -3449,354 +3582,6 @@ def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None):
             if ON_GPU:
                 torch.cuda.empty_cache()
 
-
-def _kernel_hash():
-    """Short hash of the kernel and API sources: stamped on every result row, so that a
-    summary can tell rows of the current kernel from rows of an earlier run."""
-    import hashlib
-    digest = hashlib.sha256()
-    for name in ("triton_rotary_kernel.py", "triton_rotary_main.py"):
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()[:12]
-
-
-def _gpu_slug(device_name):
-    name = device_name.lower()
-    for known in ("h100", "h200"):
-        if known in name:
-            return known
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
-
-
-def _mode_slug(mode):
-    return re.sub(r"[^a-z0-9]+", "_", mode.lower()).strip("_")
-
-
-def _load_json(path, default):
-    import json
-    if not os.path.exists(path):
-        return default
-    with open(path) as f:
-        return json.load(f)
-
-
-def _row_key(r):
-    return (r["sweep"], str(r["x"]), r["dtype"], r["mode"], r["provider"])
-
-
-def _provenance(results):
-    """Lines saying which rows were measured with the current kernel sources."""
-    current = _kernel_hash()
-    by_kernel = {}
-    for r in results:
-        by_kernel.setdefault(r.get("kernel"), set()).add(r["sweep"])
-    lines = []
-    for kernel, sweeps in sorted(by_kernel.items(), key=lambda kv: str(kv[0])):
-        rows = sum(r.get("kernel") == kernel for r in results)
-        what = (f"the current kernel sources ({current})" if kernel == current else
-                f"other kernel sources ({kernel}): rerun to refresh" if kernel else
-                "no recorded kernel hash: a run before rows were stamped, they predate the "
-                "current kernel until rerun")
-        dates = sorted({r["date"] for r in results if r.get("kernel") == kernel and r.get("date")})
-        lines.append(f"- {rows} rows measured with {what}; sweeps: {', '.join(sorted(sweeps))}"
-                     + (f"; runs of {', '.join(dates)}" if dates else ""))
-    return lines
-
-
-def _model_table(results):
-    """{(point, dtype, mode): {provider: row}} of the models rows, in table order."""
-    table = {}
-    for r in results:
-        if r["sweep"] == "models":
-            table.setdefault((str(r["x"]), r["dtype"], r["mode"]), {})[r["provider"]] = r
-    names = [p["name"] for p in MODEL_POINTS]
-
-    def order(key):
-        point, dtype, mode = key
-        return (names.index(point) if point in names else len(names), point,
-                list(BENCH_DTYPES).index(dtype) if dtype in BENCH_DTYPES else 9,
-                MODEL_MODES.index(mode) if mode in MODEL_MODES else 9)
-    return {k: table[k] for k in sorted(table, key=order)}
-
-
-def _fraction(row):
-    return row["copy_ms"] / row["ms"] if row and row.get("copy_ms") and row["ms"] > 0 else None
-
-
-def _best_peer(rows):
-    """(fraction of copy, provider) of the fastest peer of a models point-mode, or None (by
-    fraction of copy, since liger moves other bytes than we do)."""
-    peers = [(f, p) for p in PEERS if (f := _fraction(rows.get(p))) is not None]
-    return max(peers) if peers else None
-
-
-def _model_flags(rows):
-    """Why a models point needs a look: ours below the target, or below the best peer."""
-    best_peer = _best_peer(rows)
-    flags = []
-    for ours in OURS:
-        frac = _fraction(rows.get(ours))
-        if frac is None:
-            continue
-        if frac < TARGET_FRACTION:
-            flags.append(f"{ours} < {TARGET_FRACTION}")
-        if best_peer and frac < best_peer[0]:
-            flags.append(f"{ours} slower than {best_peer[1]}")
-        if frac > 1.05:
-            flags.append(f"{ours} > 1.05 of copy: check")
-    return flags
-
-
-def _models_summary(results):
-    table = _model_table(results)
-    if not table:
-        return []
-    present = [p for p in MODEL_PROVIDERS if any(p in rows for rows in table.values())]
-    lines = ["## models: real shapes (ms, medians, and fraction of copy speed)", "",
-             "Fraction of copy speed = ms of an eager device copy of the same bytes (one copy per "
-             "pass, two for forward+backward) / the provider's ms (kernels alone: one call replayed "
-             "from a CUDA graph; forward+backward: eager, or replayed from a CUDA graph). "
-             "Liger moves q and k (its copy is of those bytes); the others move "
-             f"the point's tensor. Flags: ours below {TARGET_FRACTION}, or below the best peer's "
-             "fraction.", ""]
-    flagged = {k: _model_flags(rows) for k, rows in table.items()}
-    for ours in OURS:
-        fracs = [f for rows in table.values() if (f := _fraction(rows.get(ours))) is not None]
-        if fracs:
-            below = sum(f < TARGET_FRACTION for f in fracs)
-            lines.append(f"- {MODEL_PROVIDERS[ours]}: min {min(fracs):.3f} of copy over {len(fracs)} "
-                         f"point-modes, {below} below {TARGET_FRACTION}")
-        else:
-            lines.append(f"- {MODEL_PROVIDERS[ours]}: no results (the path raised or was not run)")
-    lines.append(f"- flagged point-modes: {sum(bool(f) for f in flagged.values())} of {len(table)}")
-    lines += ["", "| point | dtype | mode | copy | " + " | ".join(MODEL_PROVIDERS[p] for p in present)
-              + " | flags |", "|---|---|---|---|" + "---|" * len(present) + "---|"]
-    for (point, dtype, mode), rows in table.items():
-        copy = rows.get("copy")
-        cells = [f"{rows[p]['ms']:.4f} ({_fraction(rows[p]):.3f})" if p in rows else "-" for p in present]
-        lines.append(f"| {point} | {dtype} | {mode} | {copy['ms']:.4f} | " if copy else
-                     f"| {point} | {dtype} | {mode} | - | ")
-        lines[-1] += " | ".join(cells) + f" | {'; '.join(flagged[(point, dtype, mode)])} |"
-    return lines + [""]
-
-
-def _write_summary(out_dir):
-    """<out_dir>/SUMMARY.md from its results.json and run.json: environment, which kernel the
-    rows measured, per point Triton vs TE and vs copy, and the models table."""
-    results = _load_json(os.path.join(out_dir, "results.json"), [])
-    run = _load_json(os.path.join(out_dir, "run.json"), {})
-    env, extras = run.get("environment", {}), run.get("extras", {})
-    by_key = {_row_key(r): r for r in results}
-    lines = ["# Benchmark summary", "", "Generated by `make bench` "
-             "(`python pytest_benchmark_cuda_triton_comparison.py`; `--summary-only` regenerates it).", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
-    lines += ([f"- note: {run['note']}"] if run.get("note") else []) + _provenance(results) + [""]
-    speedups, fractions, table = [], [], []
-    def order(key):
-        sweep, x = key[0], key[1]
-        values = [str(v) for v in SWEEPS.get(sweep, [])]
-        return (sweep, values.index(x) if x in values else len(values), x) + key[2:]
-
-    for (sweep, x, dtype, mode, provider), r in sorted(by_key.items(), key=lambda kv: order(kv[0])):
-        if provider != "triton" or sweep == "models":
-            continue
-        copy = by_key.get((sweep, x, dtype, mode, "copy"))
-        te = by_key.get((sweep, x, dtype, mode, "te"))
-        frac = copy["ms"] / r["ms"] if copy else float("nan")
-        speed = te["ms"] / r["ms"] if te else float("nan")
-        fractions.append(frac)
-        if te:
-            speedups.append(speed)
-        table.append(f"| {sweep} | {x} | {dtype} | {mode} | {r['ms']:.4f} | "
-                     f"{te['ms']:.4f} | {speed:.2f}x | " if te else
-                     f"| {sweep} | {x} | {dtype} | {mode} | {r['ms']:.4f} | - | - | ")
-        table[-1] += f"{copy['ms']:.4f} | {frac:.3f} |" if copy else "- | - |"
-    if table:
-        lines += ["## Targets", ""]
-        if fractions:
-            lines.append(f"- Triton's fraction of copy speed: min {min(fractions):.3f} over "
-                         f"{len(fractions)} points (target >= 0.95 everywhere, >= 0.97 at the defaults)")
-        lines.append(f"- Triton speedup over TE: min {min(speedups):.2f}x over {len(speedups)} points"
-                     if speedups else "- Transformer Engine line absent: "
-                     + str(env.get("Transformer Engine", "not recorded")))
-        for dtype in BENCH_DTYPES:
-            for mode in MODES:
-                key = ("seq_length", str(BENCH_DEFAULTS["seq_length"]), dtype, mode)
-                tri, copy, te = (by_key.get(key + (p,)) for p in ("triton", "copy", "te"))
-                if tri and copy:
-                    lines.append(f"- defaults, {dtype} {mode}: Triton {tri['ms']:.4f} ms = "
-                                 f"{copy['ms'] / tri['ms']:.3f} of copy speed"
-                                 + (f", {te['ms'] / tri['ms']:.2f}x TE ({te['ms']:.4f} ms)" if te else ""))
-        lines += [f"- {k}: {v}" for k, v in extras.items()] + [""]
-    lines += _models_summary(results)
-    if table:
-        lines += ["## Per point (ms, medians)", "",
-                  "| sweep | x | dtype | mode | Triton | TE | Triton speedup | copy | Triton / copy speed |",
-                  "|---|---|---|---|---|---|---|---|---|"] + table
-    with open(os.path.join(out_dir, "SUMMARY.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def _write_model_plots(out_dir):
-    """Per dtype and mode of the models rows: fraction of copy speed per point, one bar per
-    provider, lines at 1.0 and at the target (models_<dtype>_<mode>.png), and the numbers
-    (.csv)."""
-    import csv
-    results = _load_json(os.path.join(out_dir, "results.json"), [])
-    table = _model_table(results)
-    if not table:
-        return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:   # the CSVs still hold every number
-        print(f"models plots skipped: {err!r}", flush=True)
-        plt = None
-    for dtype in BENCH_DTYPES:
-        for mode in MODEL_MODES:
-            rows = {point: r for (point, dt, md), r in table.items() if dt == dtype and md == mode}
-            if not rows:
-                continue
-            points = list(rows)
-            present = [p for p in MODEL_PROVIDERS if any(p in r for r in rows.values())]
-            stem = os.path.join(out_dir, f"models_{dtype}_{_mode_slug(mode)}")
-            with open(stem + ".csv", "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(["point", "copy (ms)"] + [f"{MODEL_PROVIDERS[p]} ({u})" for p in present
-                                                          for u in ("ms", "fraction of copy")])
-                for point in points:
-                    r = rows[point]
-                    writer.writerow([point, f"{r['copy']['ms']:.5f}" if "copy" in r else ""] + [
-                        v for p in present for v in ((f"{r[p]['ms']:.5f}", f"{_fraction(r[p]):.4f}")
-                                                     if p in r else ("", ""))])
-            if plt is None:
-                continue
-            fig, ax = plt.subplots(figsize=(max(10.0, 0.8 * len(points)), 5.5))
-            width = 0.8 / max(len(present), 1)
-            for i, p in enumerate(present):
-                xs = [j + (i - (len(present) - 1) / 2) * width for j, point in enumerate(points) if p in rows[point]]
-                ys = [_fraction(rows[point][p]) for point in points if p in rows[point]]
-                ax.bar(xs, ys, width, label=MODEL_PROVIDERS[p], color=MODEL_COLORS[p])
-            ax.axhline(1.0, color="black", linewidth=1)
-            ax.axhline(TARGET_FRACTION, color="black", linewidth=1, linestyle="--",
-                       label=f"{TARGET_FRACTION} of copy")
-            ax.set_xticks(range(len(points)))
-            ax.set_xticklabels(points, rotation=35, ha="right", fontsize=8)
-            ax.set_ylabel("fraction of copy speed (copy ms / ms)")
-            # Zoomed to the bars, so that a few percent below copy speed stays visible.
-            fracs = [_fraction(r[p]) for r in rows.values() for p in present if p in r]
-            ax.set_ylim(max(0.0, math.floor(10 * min(fracs + [0.9]) - 0.5) / 10), max(fracs + [1.0]) + 0.05)
-            ax.set_title(f"RoPE at model shapes, {dtype}, {mode}")
-            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
-            fig.tight_layout()
-            fig.savefig(stem + ".png", dpi=110)
-            plt.close(fig)
-
-
-def _kernels_overview(table):
-    """Per provider of ours, over the models point-modes timed as kernels alone: (point-modes,
-    how many reach TARGET_FRACTION, median, minimum, point-modes with a peer, how many of
-    those are at or above the best peer's fraction); None where a provider has no rows."""
-    overview = {}
-    for ours in OURS:
-        fractions, with_peer, at_peer = [], 0, 0
-        for (_, _, mode), rows in table.items():
-            frac = _fraction(rows.get(ours))
-            if mode not in KERNEL_MODES or frac is None:
-                continue
-            fractions.append(frac)
-            best = _best_peer(rows)
-            if best:
-                with_peer += 1
-                at_peer += frac >= best[0]
-        overview[ours] = (len(fractions), sum(f >= TARGET_FRACTION for f in fractions),
-                          statistics.median(fractions), min(fractions), with_peer,
-                          at_peer) if fractions else None
-    return overview
-
-
-def _write_gpus_summary():
-    """artifacts/SUMMARY.md: the GPUs side by side, from every artifacts/<gpu>/results.json."""
-    gpus = sorted(d for d in os.listdir(ARTIFACTS_ROOT)
-                  if os.path.exists(os.path.join(ARTIFACTS_ROOT, d, "results.json")))
-    data = {g: (_load_json(os.path.join(ARTIFACTS_ROOT, g, "results.json"), []),
-                _load_json(os.path.join(ARTIFACTS_ROOT, g, "run.json"), {}).get("environment", {}))
-            for g in gpus}
-    current = _kernel_hash()
-    lines = ["# Benchmarks across GPUs", "",
-             "Generated from `artifacts/<gpu>/results.json` (`python pytest_benchmark_cuda_triton_comparison.py "
-             "--summary-only`, also at the end of every benchmark run); details in each "
-             "`artifacts/<gpu>/SUMMARY.md`. Fraction of copy speed = ms of a device copy of the "
-             "same bytes / ms.", "",
-             "| folder | GPU | driver | torch | triton | date | rows | rows of the current kernel sources |",
-             "|---|---|---|---|---|---|---|---|"]
-    for g, (results, env) in data.items():
-        lines.append(f"| {g} | {env.get('GPU', '-')} | {env.get('driver', '-')} | {env.get('torch', '-')} | "
-                     f"{env.get('triton', '-')} | {env.get('date', '-')} | {len(results)} | "
-                     f"{sum(r.get('kernel') == current for r in results)} |")
-    lines += ["", f"Current kernel sources: {current}. Rows of other sources predate the current kernel "
-              "until rerun.", ""]
-    tables = {g: _model_table(results) for g, (results, _) in data.items()}
-    keys = list(dict.fromkeys(k for t in tables.values() for k in t))
-    if keys:
-        with_models = [g for g in gpus if tables[g]]
-        lines += ["## models: kernels alone", "",
-                  f"Over the point-modes {' and '.join(KERNEL_MODES)} (both dtypes): how many reach "
-                  f"{TARGET_FRACTION} of copy speed, the median and minimum fraction, and how many are at "
-                  "or above the best peer's fraction (of those with a peer).", "",
-                  "| GPU | path | at >= " + f"{TARGET_FRACTION}" + " | median | minimum | at or above the best peer |",
-                  "|---|---|---|---|---|---|"]
-        for g in with_models:
-            for ours, stats in _kernels_overview(tables[g]).items():
-                if stats is not None:
-                    n, hit, median, low, with_peer, at_peer = stats
-                    lines.append(f"| {g} | {MODEL_PROVIDERS[ours]} | {hit} / {n} | {median:.3f} | {low:.3f} | "
-                                 f"{at_peer} / {with_peer} |")
-        lines += ["", "## models: fraction of copy speed", "",
-                  "Per GPU: Triton (freqs table) / Triton (positions) / best peer (liger, liger_mrope or "
-                  "flash-attn, by fraction) / a plain Triton copy kernel of the same bytes. `-`: not measured or "
-                  "the path raised.", "",
-                  "| point | dtype | mode | " + " | ".join(with_models) + " |",
-                  "|---|---|---|" + "---|" * len(with_models)]
-        for key in keys:
-            cells = []
-            for g in with_models:
-                rows = tables[g].get(key, {})
-                best = _best_peer(rows)
-                ours = [f"{f:.3f}" if (f := _fraction(rows.get(p))) is not None else "-" for p in OURS]
-                tcopy = _fraction(rows.get("triton_copy"))
-                cells.append(" / ".join(ours) + (f" / {best[0]:.3f} {best[1]}" if best else " / -")
-                             + (f" / {tcopy:.3f}" if tcopy is not None else " / -"))
-            lines.append(f"| {' | '.join(key)} | " + " | ".join(cells) + " |")
-        lines.append("")
-    sweeps = [s for s in SWEEPS if s != "models" and any(
-        r["sweep"] == s for results, _ in data.values() for r in results)]
-    if sweeps:
-        lines += ["## Other sweeps: Triton's fraction of copy speed", "",
-                  "Per GPU: minimum over the sweep's points, dtypes and modes, and how many are >= 0.95.", "",
-                  "| sweep | " + " | ".join(gpus) + " |", "|---|" + "---|" * len(gpus)]
-        for s in sweeps:
-            cells = []
-            for g in gpus:
-                by_key = {_row_key(r): r for r in data[g][0] if r["sweep"] == s}
-                fracs = [by_key[k[:4] + ("copy",)]["ms"] / r["ms"] for k, r in by_key.items()
-                         if k[4] == "triton" and k[:4] + ("copy",) in by_key]
-                cells.append(f"{min(fracs):.3f} ({sum(f >= 0.95 for f in fracs)}/{len(fracs)})" if fracs else "-")
-            lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    with open(os.path.join(ARTIFACTS_ROOT, "SUMMARY.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def _regenerate(gpu_dirs=None):
-    """Summaries and models plots from the stored results; needs no GPU."""
-    for g in gpu_dirs if gpu_dirs is not None else sorted(os.listdir(ARTIFACTS_ROOT)):
-        out_dir = os.path.join(ARTIFACTS_ROOT, g)
-        if os.path.exists(os.path.join(out_dir, "results.json")):
-            _write_summary(out_dir)
-            _write_model_plots(out_dir)
-    _write_gpus_summary()
 
 
 def _autograd_overhead():
@@ -3881,7 +3666,7 @@ def _parse_list(text, known, what):
 
 def _parse_modes(text):
     """Requested modes, matched on letters and digits only (so `forward+backward_cuda_graph`
-    names the graphed mode) and split into the perf_report sweeps' and the models sweep's."""
+    names the graphed mode) and split into the parameter sweeps' and the models sweep's."""
     norm = lambda m: re.sub(r"[^a-z0-9]", "", m.lower())        # noqa: E731
     wanted = {norm(m) for m in text.split(",") if m.strip()}
     known = {norm(m) for m in MODES + MODEL_MODES}
@@ -3890,28 +3675,63 @@ def _parse_modes(text):
     return [m for m in MODES if norm(m) in wanted], [m for m in MODEL_MODES if norm(m) in wanted]
 
 
-def run_benchmarks(argv=None):
+def _parser():
     import argparse
-    import json
-    import time
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="Results go to artifacts/<gpu>/ (h100, h200, else the device name); a run merges its "
-               "points into that folder's results.json and regenerates its SUMMARY.md and "
-               "artifacts/SUMMARY.md.")
+               "points into that folder's results.json and regenerates its summary, plots and "
+               "results.html, and artifacts/SUMMARY.md.")
     parser.add_argument("--sweeps", default=",".join(SWEEPS),
                         help=f"comma-separated sweeps (default all: {','.join(SWEEPS)})")
     parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES))
     parser.add_argument("--modes", default=",".join(MODES + MODEL_MODES),
-                        help=f"comma-separated; {', '.join(MODES)} apply to the perf_report sweeps, "
+                        help=f"comma-separated; {', '.join(MODES)} apply to the parameter sweeps, "
                              f"{', '.join(MODEL_MODES)} to models (default: all)")
     parser.add_argument("--summary-only", action="store_true",
-                        help="only regenerate the summaries and models plots from artifacts/*/results.json "
-                             "(no GPU needed)")
-    args = parser.parse_args(argv)
+                        help="only regenerate the summaries, every plot and CSV, and results.html from "
+                             "artifacts/*/results.json (no GPU needed)")
+    parser.add_argument("--accuracy", nargs="?", const=ACCURACY_PATH, metavar="PNG",
+                        help="only run the accuracy study and write it to PNG and the .csv beside it "
+                             f"(default {os.path.relpath(ACCURACY_PATH)}; the committed one comes from a GPU)")
+    return parser
+
+
+def _run_accuracy(path):
+    if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--accuracy needs a CUDA GPU, or TRITON_INTERPRET=1 (numpy's sin/cos then "
+                         "stand in for the GPU's: not for the committed plot)")
+    rows = plot_accuracy(path)
+    print(f"wrote {path} and its .csv ({len(rows)} positions)")
+
+
+def _timed_rows(sweeps, dtypes, modes, model_modes, stamp):
+    """Every requested sweep, dtype and mode, timed: the result rows, each with `stamp`."""
+    results = []
+    for i, sweep in enumerate(sweeps, 1):
+        progress = f"[sweep {i}/{len(sweeps)}] {sweep}"
+        if sweep != "models":
+            for dtype_name in dtypes:
+                for mode in modes:
+                    _run_sweep(sweep, dtype_name, mode, results, progress)
+        elif model_modes:
+            _run_models(dtypes, model_modes, results, stamp, progress=progress)
+        else:
+            print(f"{progress} skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
+    for r in results:
+        r.update({k: v for k, v in stamp.items() if k not in r})
+    return results
+
+
+def run_benchmarks(argv=None):
+    import time
+    args = _parser().parse_args(argv)
     if args.summary_only:
-        _regenerate()
+        report.regenerate()
         print(open(os.path.join(ARTIFACTS_ROOT, "SUMMARY.md")).read())
+        return
+    if args.accuracy:
+        _run_accuracy(args.accuracy)
         return
     sweeps = _parse_list(args.sweeps, SWEEPS, "sweeps")
     dtypes = _parse_list(args.dtypes, BENCH_DTYPES, "dtypes")
@@ -3919,43 +3739,30 @@ def run_benchmarks(argv=None):
     if not ON_GPU:
         raise SystemExit("make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)")
     started = time.perf_counter()
-    gpu = _gpu_slug(torch.cuda.get_device_name())
+    gpu = report.gpu_slug(torch.cuda.get_device_name())
     out_dir = os.path.join(ARTIFACTS_ROOT, gpu)
     os.makedirs(out_dir, exist_ok=True)
     env = _environment()
     print("environment:", env, "->", out_dir, flush=True)
     print("peers:", {k: "ok" for k in _peers()[0]}, _peers()[1], flush=True)
-    stamp = dict(kernel=_kernel_hash(), date=env["date"])
-    results_path = os.path.join(out_dir, "results.json")
-    previous = _load_json(results_path, [])
-    results = []
+    stamp = dict(kernel=report.source_hash(), device_code=report.device_code_stamp(), date=env["date"])
+    results_path, run_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "run.json")
+    previous = report.load_json(results_path, [])
     _warm_up()
-    for sweep in sweeps:
-        if sweep == "models":
-            if model_modes:
-                _run_models(dtypes, model_modes, results, stamp)
-            else:
-                print(f"models skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
-            continue
-        for dtype_name in dtypes:
-            for mode in modes:
-                bench, plot_name = _make_benchmark(sweep, dtype_name, mode, results)
-                print(f"{plot_name}:", flush=True)
-                bench.run(save_path=out_dir, print_data=False, show_plots=False)
-                moved = [r["bytes"] for r in results if r["sweep"] == sweep and r["dtype"] == dtype_name
-                         and r["mode"] == mode and r["provider"] == "copy"]
-                _add_gbps_columns(os.path.join(out_dir, plot_name + ".csv"), moved)
-    for r in results:
-        r.update({k: v for k, v in stamp.items() if k not in r})
+    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp)
     # Points measured now replace the same points of an earlier (partial) run.
-    fresh = {_row_key(r) for r in results}
-    merged = [r for r in previous if _row_key(r) not in fresh] + results
+    fresh = {report.row_key(r) for r in results}
+    merged = [r for r in previous if report.row_key(r) not in fresh] + results
     with open(results_path, "w") as f:
         json.dump(merged, f, indent=1)
     extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}
-    with open(os.path.join(out_dir, "run.json"), "w") as f:
-        json.dump({"environment": env, "extras": extras, "kernel": stamp["kernel"]}, f, indent=1)
-    _regenerate([gpu])
+    # Restamp notes stay: rows of earlier runs that this one did not replace keep their stamps.
+    restamped = report.load_json(run_path, {}).get("restamped", [])
+    with open(run_path, "w") as f:
+        json.dump({"environment": env, "extras": extras, "kernel": stamp["kernel"],
+                   "device_code": stamp["device_code"]} | ({"restamped": restamped} if restamped else {}),
+                  f, indent=1)
+    report.regenerate([gpu])
     print(open(os.path.join(out_dir, "SUMMARY.md")).read())
     print(f"{_BENCH_CALLS[0]} timings (do_bench calls), {time.perf_counter() - started:.0f} s in all", flush=True)
 
