@@ -16,6 +16,7 @@ Every plot shows speed as a fraction of copy speed: the ms of a device copy of t
 over the provider's ms, so 1.0 is the memory roofline whatever the size of the point.
 """
 
+import ast
 import datetime
 import functools
 import hashlib
@@ -27,6 +28,7 @@ import math
 import os
 import re
 import statistics
+import textwrap
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -144,12 +146,12 @@ def source_hash():
 def device_code_stamp(kernel_file=KERNEL_FILE):
     """Short hash of what decides a timing (the `device_code` field of a row):
 
-    (a) the source of every @triton.jit function defined in `kernel_file` (by default
+    (a) the code of every @triton.jit function defined in `kernel_file` (by default
         triton_rotary_kernel.py), in name order, decorator included (its arguments, e.g.
         do_not_specialize, shape the compiled variants);
     (b) that module's tl.constexpr globals, name and value (the kernels read them as
         compile-time constants);
-    (c) the launch rule: the source of `launch_config` and the values of the module constants
+    (c) the launch rule: the code of `launch_config` and the values of the module constants
         it reads, with those its callers pass it as tile sizes (`_launch_rule` lists them for
         the plan cache's key).
 
@@ -157,6 +159,7 @@ def device_code_stamp(kernel_file=KERNEL_FILE):
     off, so the stamp computed here (TRITON_INTERPRET=1, where _HARDWARE_SINCOS is false) is
     the one the benchmark stamped.
 
+    Code is hashed as its syntax tree (`_code`): comments, docstrings and layout are left out.
     Left out on purpose, because they cannot change what the GPU runs or how it is launched,
     only whether and when it runs: the host checks (check_rope_args and the other checks,
     error messages), the plan cache (_PLANS, _cached_plan: a hit and a miss launch the same
@@ -208,12 +211,25 @@ def _device_code_parts(module):
     jit = [n for n in sorted(names) if isinstance(names[n], _jit_types())
            and getattr(names[n].fn, "__module__", None) == module.__name__]
     for name in jit:
-        yield f"jit {name}\n{inspect.getsource(names[name].fn)}"
+        yield f"jit {name}\n{_code(names[name].fn)}"
     for name in sorted(n for n in names if isinstance(names[n], tl.constexpr)):
         yield f"constexpr {name} = {names[name].value!r}"
-    yield f"launch_config\n{inspect.getsource(module.launch_config)}"
+    yield f"launch_config\n{_code(module.launch_config)}"
     for name, value in _launch_constants(module):
         yield f"constant {name} = {value!r}"
+
+
+def _code(fn):
+    """A function's code as its syntax tree, without docstrings, comments or layout: editing
+    an explanation does not make rows of the same code look stale."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def _code_names(fn):

@@ -58,8 +58,8 @@ AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis 
 
 # Angles the float32 reductions take: |angle| < 2^24 (for positions: every position below 2^24
 # at the fastest frequency, 1 rad per token). Larger angles give NaN, like positions outside a
-# table: a precise fallback behind a per-tile branch fenced the tile's arithmetic and cost
-# bandwidth at small tiles (README, Results).
+# table: a precise fallback behind a per-tile branch fences the tile's arithmetic and costs
+# bandwidth at small tiles.
 _FAST_REDUCTION_LIMIT = tl.constexpr(16777216.0)
 
 # Table angles: pi/2 as the unevaluated sum of three float32 numbers (Cody-Waite). PIO2_1 has
@@ -85,11 +85,15 @@ _INV_PI_LO = tl.constexpr(1.2841276486597053e-08)
 # (Triton itself reads it at import too).
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _HARDWARE_SINCOS = tl.constexpr(not _INTERPRETING)
-# The reductions and the two-product below need an fma that rounds once. The GPU's does; the
+# The angle reductions and the exact two-product below need an fma that rounds once (`_fma`):
+# their results are exact, or their proofs assume one rounding. The GPU's tl.fma does; the
 # interpreters of Triton 3.5.1, 3.6 and 3.7.1 compute tl.fma as a multiply and an add (two
 # roundings: `TRITON_INTERPRET=1`, tl.fma(x, x, -x * x) of float32 x = 1 + 2^-12 gives 0, not
-# 2^-24), which makes the exact-angle path wrong by up to 10% at 16M. So the interpreter gets
-# a correctly rounded float32 fma of its own (`_fma_rounded_once`); the GPU keeps tl.fma.
+# 2^-24), which made the exact-angle path wrong by up to 10% at 16M. So the interpreter gets a
+# correctly rounded float32 fma of its own (`_fma_rounded_once`); the GPU keeps tl.fma. The
+# sin/cos polynomials and the rotation use tl.fma directly: a second rounding there moves a
+# result by at most about an ulp (in the interpreter only), and the emulation costs the
+# interpreter about 25 operations per fma.
 _EMULATED_FMA = tl.constexpr(_INTERPRETING)
 
 
@@ -118,7 +122,8 @@ def _fma_rounded_once(a, b, c):
     information; a float64 value rounded to odd and then to float32 (53 >= 24 + 2 bits) is the
     correctly rounded float32 result (Boldo and Melquiond, "Emulation of FMA and correctly
     rounded sums: proved algorithms using rounding to odd", IEEE TC 2008). Where s is not
-    finite, e is NaN and s is kept.
+    finite, e is NaN: a step of s's bits keeps a NaN a NaN, and an infinity rounds back to
+    an infinity in float32.
     """
     p = tl.cast(a, tl.float32).to(tl.float64) * tl.cast(b, tl.float32).to(tl.float64)
     c64 = tl.cast(c, tl.float32).to(tl.float64)
@@ -127,7 +132,7 @@ def _fma_rounded_once(a, b, c):
     e = (p - (s - c_part)) + (c64 - c_part)
     bits = s.to(tl.int64, bitcast=True)
     towards_e = tl.where((e > 0) == (s > 0), 1, -1).to(tl.int64)
-    inexact_even = (e != 0) & (e == e) & ((bits & 1) == 0)
+    inexact_even = (e != 0) & ((bits & 1) == 0)
     s = tl.where(inexact_even, bits + towards_e, bits).to(tl.float64, bitcast=True)
     return s.to(tl.float32)
 
@@ -146,17 +151,17 @@ def _table_sincos(angle):
     r = _fma(-k, _PIO2_2, r)
     r = _fma(-k, _PIO2_3, r)
     r2 = r * r
-    s = _fma(r2, -2.505210838544172e-08, 2.755731922398589e-06)    # 1/11!, 1/9!
-    s = _fma(r2, s, -1.984126984126984e-04)                        # 1/7!
-    s = _fma(r2, s, 8.333333333333333e-03)                         # 1/5!
-    s = _fma(r2, s, -1.6666666666666666e-01)                       # 1/3!
-    s = _fma(r * r2, s, r)
-    c = _fma(r2, 2.08767569878681e-09, -2.755731922398589e-07)     # 1/12!, 1/10!
-    c = _fma(r2, c, 2.48015873015873e-05)                          # 1/8!
-    c = _fma(r2, c, -1.388888888888889e-03)                        # 1/6!
-    c = _fma(r2, c, 4.1666666666666664e-02)                        # 1/4!
-    c = _fma(r2, c, -0.5)
-    c = _fma(r2, c, 1.0)
+    s = tl.fma(r2, -2.505210838544172e-08, 2.755731922398589e-06)    # 1/11!, 1/9!
+    s = tl.fma(r2, s, -1.984126984126984e-04)                        # 1/7!
+    s = tl.fma(r2, s, 8.333333333333333e-03)                         # 1/5!
+    s = tl.fma(r2, s, -1.6666666666666666e-01)                       # 1/3!
+    s = tl.fma(r * r2, s, r)
+    c = tl.fma(r2, 2.08767569878681e-09, -2.755731922398589e-07)     # 1/12!, 1/10!
+    c = tl.fma(r2, c, 2.48015873015873e-05)                          # 1/8!
+    c = tl.fma(r2, c, -1.388888888888889e-03)                        # 1/6!
+    c = tl.fma(r2, c, 4.1666666666666664e-02)                        # 1/4!
+    c = tl.fma(r2, c, -0.5)
+    c = tl.fma(r2, c, 1.0)
     q = k.to(tl.int32)
     swap = (q & 1) != 0
     sin = tl.where(swap, c, s)
@@ -181,8 +186,8 @@ def _exact_angle_sincos(hi, err):
       below 4), the next three round once each: |r| <= 3/4 * pi + 1/2 < 2.86 < pi, with an
       error below 3 * 2^-23 + 2^24 * 2^-74 < 3.6e-7.
     - sin r and cos r by the hardware: absolute error <= 2^-21.41 (sin) and 2^-21.19 (cos) on
-      [-pi, pi] (CUDA C++ Programming Guide, intrinsic functions; checked over every float32
-      in [-2.86, 2.86] in README's accuracy section); k odd negates both.
+      [-pi, pi] (CUDA C++ Programming Guide, intrinsic functions; measured over every float32
+      in [-2.87, 2.87] in docs/accuracy.md); k odd negates both.
     The rotation [[cos, -sin], [sin, cos]] is then within 3.6e-7 + 3.6e-7 + 4.3e-7 < 1.2e-6 (2-
     norm) of the exact one; with the output's roundings, the relative error of a rotated pair
     stays below 1.4e-6 (the accuracy tests' bound is 2e-6).
@@ -332,7 +337,7 @@ def _rope_tile(tok_block, OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, 
         # ptxas issues the loads of the search for the tokens' sequences (a chain of
         # dependent loads) first and the tile's loads only after the whole chain. The
         # barrier keeps the tile's loads ahead (it waits for no load's data). Only here: ahead
-        # of positions or a table, it slows the tile (README, Results).
+        # of positions or a table, it slows the tile (docs/design.md).
         tl.debug_barrier()
     # Positions and cos/sin depend on the token (and pair) only: worked out once for the
     # tile's tokens and shared by its heads.
@@ -351,8 +356,8 @@ def _rope_tile(tok_block, OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, 
         sin_a, sin_b = sin1[:, None, :], sin2[:, None, :]
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
-    out1 = _fma(x1, cos1, -(x2 * sin_a))
-    out2 = _fma(x2, cos2, x1 * sin_b)
+    out1 = tl.fma(x1, cos1, -(x2 * sin_a))
+    out2 = tl.fma(x2, cos2, x1 * sin_b)
     if IS_THD:
         # Tokens outside every sequence pass through unchanged.
         out1 = tl.where(in_seq[:, None, None], out1, x1)
@@ -786,7 +791,7 @@ _INT32_MAX = 2**31 - 1
 # thd: the search for a token's sequence looks up to TILE_FAN times past an index of
 # cu_seqlens, in int32.
 MAX_SEQUENCES = 2**26
-# Launch rule (README, "Results and analysis"). A program rotates a tile of whole (token, head)
+# Launch rule (docs/design.md). A program rotates a tile of whole (token, head)
 # rows, about TILE_BYTES of them: the fewest heads of one token that hold TILE_BYTES, or all
 # its heads and then as many tokens as it takes, with NUM_WARPS warps. At 4 warps a tile of
 # 4 KiB has each thread load one 16-byte vector of each half of the rotated channels. Tiles
@@ -1140,8 +1145,10 @@ def _program_grid(token_blocks: int, head_programs: int, t_name: str = "t"):
 
 def _search_levels(num_seqs: int) -> int:
     """Steps of one token's thd search, SEARCH_FAN ** levels > num_seqs (indices
-    0..num_seqs; the search for a tile's first token takes half as many), and at least 2: with one step, LLVM's SLP vectorizer in Triton 3.6 aborts on some tiles (an
-    assertion in BoUpSLP, interleaved float32 tiles of 8 tokens x 8 heads)."""
+    0..num_seqs; the search for a tile's first token takes half as many), and at least 2.
+
+    WORKAROUND(Triton 3.6): with one step, LLVM's SLP vectorizer aborts on some tiles (an
+    assertion in BoUpSLP; interleaved float32 tiles of 8 tokens x 8 heads)."""
     levels = 2
     while SEARCH_FAN.value ** levels <= num_seqs:
         levels += 1
