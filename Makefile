@@ -52,7 +52,7 @@ NEED_DOCKER = command -v docker >/dev/null 2>&1 || { echo "$@: no docker command
 NEED_IMAGE  = $(NEED_DOCKER); docker image inspect $(IMAGE) >/dev/null 2>&1 || { echo "$@: no image $(IMAGE); make build makes it" >&2; exit 1; }
 
 .DEFAULT_GOAL := help
-.PHONY: help build run test test-full bench sanitize local-python
+.PHONY: help build run test test-full lint bench sanitize local-python
 
 help:
 	@echo "Targets:"
@@ -61,6 +61,7 @@ help:
 	@echo "                   cover each code path (ROPE_TEST_MATRIX=quick), spread over all cores"
 	@echo "  make test-full   the same with TE's whole matrices (ROPE_TEST_MATRIX=full); slow without a GPU"
 	@echo "  make sanitize    the -m sanitize tests under compute-sanitizer memcheck (CUDA GPU)"
+	@echo "  make lint        ruff check with pyproject.toml's configuration (CI runs it)"
 	@echo "  make bench       benchmarks into artifacts/ (CUDA GPU)"
 	@echo "  make build       the Docker image $(IMAGE) from tritonProject.Dockerfile"
 	@echo "  make run         a shell in that image, this checkout mounted"
@@ -86,7 +87,7 @@ run:
 # Prints the interpreter to use locally, making or completing .venv only when the current one
 # lacks what the tests import (VENV_ONLY=1: always .venv, as CI does). What pip prints goes to
 # stderr, so that the first run shows what it downloads.
-TEST_IMPORTS = torch, triton, numpy, pytest, xdist, hypothesis, transformers
+TEST_IMPORTS = torch, triton, numpy, pytest, xdist, hypothesis, transformers, ruff
 local-python:
 	@if [ -z "$(VENV_ONLY)" ] && $(PYTHON) -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
 	  echo $(PYTHON); \
@@ -103,6 +104,9 @@ local-python:
 	fi
 
 test-full: export ROPE_TEST_MATRIX = full
+
+lint:
+	@PY=$$($(MAKE) -s --no-print-directory local-python RUNNER=local) && $$PY -m ruff check .
 
 ifeq ($(RUNNER),docker)
 test test-full:

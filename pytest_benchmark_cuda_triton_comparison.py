@@ -24,15 +24,26 @@ import triton
 import triton.language as tl
 
 import rope_bench_report as report
-from rope_bench_report import (
-    ARTIFACTS_ROOT, BENCH_DEFAULTS, KERNEL_MODES, MODEL_MODES, MODEL_POINTS, MODES, PEERS, PROVIDERS,
-    SWEEPS)
-from te_comparator import load_te_qkv_rope, load_te_rope
 import triton_rotary_kernel
+from rope_bench_report import (
+    ARTIFACTS_ROOT,
+    BENCH_DEFAULTS,
+    KERNEL_MODES,
+    MODEL_MODES,
+    MODEL_POINTS,
+    MODES,
+    PEERS,
+    PROVIDERS,
+    SWEEPS,
+)
+from te_comparator import load_te_qkv_rope, load_te_rope
 from triton_rotary_kernel import _program_tokens, _tile_sequences, set_rotary_kernel, set_rotary_qkv_kernel
 from triton_rotary_main import (
-    RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb,
-    apply_rotary_pos_emb_inplace)
+    RotaryPositionEmbedding,
+    apply_fused_qkv_rotary_pos_emb,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_inplace,
+)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -350,7 +361,8 @@ def test_gradcheck_float64(case):
         case["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     if "start_positions" in case:
         case["start_positions"] = torch.tensor(case["start_positions"], dtype=torch.int32, device=DEVICE)
-    shape = {"sbhd": (4, 2, 2, 10), "bshd": (2, 4, 2, 10), "thd": (cu[-1] // case.get("cp_size", 1) if cu else 0, 2, 10)}[fmt]
+    thd_tokens = cu[-1] // case.get("cp_size", 1) if cu else 0
+    shape = {"sbhd": (4, 2, 2, 10), "bshd": (2, 4, 2, 10), "thd": (thd_tokens, 2, 10)}[fmt]
     t = torch.randn(shape, dtype=torch.float64, device=DEVICE, requires_grad=True)
     # Arbitrary (not pairwise equal) angles: checks the backward is the exact transpose.
     freqs = torch.randn(16, 1, 1, rotary_dim, device=DEVICE) * 3
@@ -903,9 +915,11 @@ BAD_INPUTS = [
     ("freqs not a tensor", lambda a: a.update(freqs=1.0), TypeError, "freqs must be a torch.Tensor"),
     ("freqs integer", lambda a: a.update(freqs=a["freqs"].int()), TypeError, "freqs must be a floating-point"),
     ("freqs 2-D", lambda a: a.update(freqs=a["freqs"][:, 0, 0]), ValueError, "freqs must have shape [s2, 1, 1, d2]"),
-    ("freqs [s2,b,1,d2]", lambda a: a.update(freqs=a["freqs"].expand(8, 2, 1, 16)), ValueError, "freqs must have shape"),
+    ("freqs [s2,b,1,d2]", lambda a: a.update(freqs=a["freqs"].expand(8, 2, 1, 16)), ValueError,
+     "freqs must have shape"),
     ("odd d2", lambda a: a.update(freqs=a["freqs"][..., :15]), ValueError, "must be even"),
-    ("d2 > d", lambda a: a.update(freqs=RotaryPositionEmbedding(32, device=DEVICE)(8)), ValueError, "exceeds t's head dim"),
+    ("d2 > d", lambda a: a.update(freqs=RotaryPositionEmbedding(32, device=DEVICE)(8)), ValueError,
+     "exceeds t's head dim"),
     ("freqs too short", lambda a: a.update(freqs=a["freqs"][:3]), ValueError, "freqs has 3 positions"),
     ("s * cp_size > s2", lambda a: a.update(cp_size=4, cp_rank=0), ValueError, "s * cp_size = 4 * 4"),
     ("odd local length under cp", lambda a: a.update(t=a["t"][:3], cp_size=2), ValueError, "must be even"),
@@ -919,12 +933,14 @@ BAD_INPUTS = [
      "cu_seqlens must be int32 or int64"),
     ("cu_seqlens 2-D", lambda a: a.update(_thd_args(cu_seqlens=_ints([[0, 6]]))), ValueError, "cu_seqlens must be 1-D"),
     ("cu_seqlens one entry", lambda a: a.update(_thd_args(cu_seqlens=_ints([0]))), ValueError, "at least 2 entries"),
-    ("cu_seqlens with sbhd", lambda a: a.update(cu_seqlens=_ints([0, 4])), ValueError, "only valid with tensor_format='thd'"),
+    ("cu_seqlens with sbhd", lambda a: a.update(cu_seqlens=_ints([0, 4])), ValueError,
+     "only valid with tensor_format='thd'"),
     ("start_positions length", lambda a: a.update(start_positions=_ints([0, 1, 2])), ValueError,
      "start_positions must have 2 entries"),
     ("start_positions float", lambda a: a.update(start_positions=_ints([0, 1], torch.float32)), TypeError,
      "start_positions must be int32 or int64"),
-    ("start_positions list", lambda a: a.update(start_positions=[0, 1]), TypeError, "start_positions must be a torch.Tensor"),
+    ("start_positions list", lambda a: a.update(start_positions=[0, 1]), TypeError,
+     "start_positions must be a torch.Tensor"),
     ("start_positions with cp", lambda a: a.update(start_positions=_ints([0, 1]), cp_size=2), ValueError,
      "not supported with cp_size > 1"),
     ("freqs on another device", lambda a: a.update(freqs=a["freqs"].to("meta")), TypeError, "freqs is on meta"),
@@ -1161,7 +1177,8 @@ def test_cuda_graph_capture_and_replay():
     cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32, device=DEVICE)
     cases = [dict(tensor_format="sbhd", shape=(33, 2, 4, 64)),
              dict(tensor_format="thd", shape=(32, 4, 64), cu_seqlens=cu),
-             dict(tensor_format="bshd", shape=(2, 33, 4, 64), start_positions=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE))]
+             dict(tensor_format="bshd", shape=(2, 33, 4, 64),
+                  start_positions=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE))]
     for case in cases:
         case = dict(case)
         shape = case.pop("shape")
@@ -1221,7 +1238,7 @@ def test_sanitize_cases(case):
 
 
 # --- Hardening: defects a hostile caller finds, and a fuzzer ---------------------------------
-# Issue 15. Each test below failed on the code before the fixes (eaa2503); the references are
+# Each test below is of an input a hostile caller passes; the references are
 # the unfused PyTorch formula (fused=False, in float64 where it says so), plain torch ops or
 # hand-computed values, never the kernel itself.
 
@@ -1261,7 +1278,7 @@ _ZERO_SIZE_CASES = [
 @pytest.mark.parametrize("name,shape,case", _ZERO_SIZE_CASES, ids=[c[0] for c in _ZERO_SIZE_CASES])
 def test_zero_size_inputs(name, shape, case, angles):
     """Empty inputs give empty results and gradients of the input's shape, like fused=False
-    (the old launcher built a grid with a 0 dimension, or divided by the 0 tokens)."""
+    (no launch with a 0-sized grid, no division by the 0 tokens)."""
     case = dict(case)
     for key in ("cu_seqlens", "start_positions", "positions"):
         if key in case:
@@ -1349,7 +1366,7 @@ def test_freqs_without_rows_give_nan():
 
 def test_negative_bit_inputs():
     """The kernel reads raw memory, so a tensor with the negative bit (a lazily negated view)
-    must be resolved first; the old code read the un-negated values. Each result must equal
+    must be resolved first, or the kernel reads the un-negated values. Each result must equal
     the same call on the resolved tensor, bit for bit."""
     torch.manual_seed(32)
     freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
@@ -1391,8 +1408,8 @@ def test_negative_bit_inputs():
 
 @pytest.mark.parametrize("path", ["table", "module", "qkv-table", "qkv-module"])
 def test_double_backward_gradgradcheck(path):
-    """The backward is itself differentiable (the old backward was a bare launch, so
-    create_graph=True silently gave a gradient without a graph). float64, tiny shapes: every
+    """The backward is itself differentiable (a bare launch in the backward would make
+    create_graph=True silently give a gradient without a graph). float64, tiny shapes: every
     check runs the kernel through the interpreter."""
     torch.manual_seed(33)
     # Arbitrary table angles (pair members differ) check the transpose, not only a rotation.
@@ -1400,7 +1417,8 @@ def test_double_backward_gradgradcheck(path):
     freqs = table if path.endswith("table") else RotaryPositionEmbedding(8, device=DEVICE)
     if path.startswith("qkv"):
         x = torch.randn(3, 1, 1, 30, dtype=torch.float64, device=DEVICE, requires_grad=True)
-        k_freqs = table.flip(0) if path.endswith("table") else RotaryPositionEmbedding(8, rotary_base=50.0, device=DEVICE)
+        k_freqs = (table.flip(0) if path.endswith("table")
+                   else RotaryPositionEmbedding(8, rotary_base=50.0, device=DEVICE))
         fn = lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, k_freqs, [10, 10, 10])  # noqa: E731
     else:
         x = torch.randn(3, 1, 2, 10, dtype=torch.float64, device=DEVICE, requires_grad=True)
@@ -1436,9 +1454,52 @@ def test_gradient_penalty():
     torch.testing.assert_close(dw, 2 * 0.75 * c.pow(2).sum())
 
 
+def _rope_with_saved_argument(what):
+    """(loss of one forward, the argument tensor it keeps for the backward) for each kind of
+    tensor argument the backward reads."""
+    s, b, h, d = 6, 2, 2, 16
+    emb = RotaryPositionEmbedding(d, device=DEVICE)
+    t = torch.randn(s, b, h, d, device=DEVICE, requires_grad=True)
+    if what == "freqs":
+        freqs = emb(s)
+        return apply_rotary_pos_emb(t, freqs).sum(), freqs
+    if what == "module inv_freq":
+        return apply_rotary_pos_emb(t, emb, positions=torch.arange(s, device=DEVICE)).sum(), emb.inv_freq
+    if what == "start_positions":
+        start = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
+        return apply_rotary_pos_emb(t, emb(s + 4), start_positions=start).sum(), start
+    if what == "cu_seqlens":
+        cu = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
+        x = torch.randn(12, h, d, device=DEVICE, requires_grad=True)
+        return apply_rotary_pos_emb(x, emb(12), "thd", cu_seqlens=cu).sum(), cu
+    if what == "positions":
+        pos = torch.arange(s, device=DEVICE)
+        return apply_rotary_pos_emb(t, emb(2 * s), positions=pos).sum(), pos
+    qkv = torch.randn(s, b, 2, 4 * d, device=DEVICE, requires_grad=True)
+    freqs = emb(s)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [2 * d, d, d])
+    return q.sum() + k.sum() + v.sum(), freqs
+
+
+@pytest.mark.parametrize("what", ["freqs", "module inv_freq", "start_positions", "cu_seqlens",
+                                  "positions", "fused qkv freqs"])
+def test_arguments_modified_before_backward_raise(what):
+    """The tensors the backward reads besides the gradient (freqs or the module's inv_freq,
+    start_positions, cu_seqlens, positions) are saved for it: changed in place between forward
+    and backward, the backward raises PyTorch's in-place error, as TE's does, instead of
+    returning the gradient of other angles or positions. Unchanged, the backward runs."""
+    loss, _ = _rope_with_saved_argument(what)
+    loss.backward()
+    loss, argument = _rope_with_saved_argument(what)
+    with torch.no_grad():
+        argument.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_positions_past_int32():
     """Positions past 2^31 - 1 (a stride-0 table with 2^31 + 10 rows, start positions near
-    2^31, a huge cp_size) are computed in int64: the old kernel wrapped them negative (NaN) or
+    2^31, a huge cp_size) are computed in int64: in int32 they would wrap negative (NaN) or
     read the wrong row. The expanded row holds arbitrary angles, so a wrong channel shows."""
     torch.manual_seed(35)
     d2, rows = 8, 2**31 + 10
@@ -1475,7 +1536,8 @@ def test_positions_past_int32():
                                       tensor_format=kwargs.get("tensor_format", "sbhd"),
                                       cu_seqlens=_ints([0, x.shape[0]]) if x is thd else None)
         if x is thd:
-            outside = torch.arange(x.shape[0], device=DEVICE) >= int(kwargs["cu_seqlens"][-1]) // kwargs.get("cp_size", 1)
+            end = int(kwargs["cu_seqlens"][-1]) // kwargs.get("cp_size", 1)
+            outside = torch.arange(x.shape[0], device=DEVICE) >= end
             single[outside] = x[outside]
         torch.testing.assert_close(out, single, atol=1e-6, rtol=1e-6)
 
@@ -1495,15 +1557,16 @@ _QKV_BAD = [  # (how to break the valid call, error, text naming the argument)
     (lambda a: a.update(start_positions=_ints([0, 1]).to("meta")), TypeError, "start_positions is on meta but qkv"),
     (lambda a: a.update(positions=_ints([0, 1, 2, 3]).to("meta")), TypeError, "positions is on meta but qkv"),
     (lambda a: a.update(positions=_ints([0, 1, 2])), ValueError, "positions must have shape"),
-    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(8, device=DEVICE)), TypeError, "q_freqs and k_freqs must be of one kind"),
+    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(8, device=DEVICE)), TypeError,
+     "q_freqs and k_freqs must be of one kind"),
 ]
 
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("breaker,error,message", _QKV_BAD, ids=[m for _, _, m in _QKV_BAD])
 def test_qkv_errors_name_qkv_arguments(breaker, error, message, fused):
-    """Errors of apply_fused_qkv_rotary_pos_emb name its own arguments (the old ones said
-    't' and 'freqs', which the caller never passed)."""
+    """Errors of apply_fused_qkv_rotary_pos_emb name its own arguments, not the 't' and
+    'freqs' of the shared checks, which the caller never passed."""
     args = dict(qkv=torch.randn(4, 2, 2, 32, device=DEVICE), q_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8),
                 k_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8) * 0.5, qkv_split_arg_list=[16, 8, 8])
     breaker(args)
@@ -1521,7 +1584,7 @@ def test_qkv_error_without_interpreter_names_qkv(monkeypatch):
 
 def test_plan_cache_keeps_validation():
     """A cached launch plan must not let through what the checks reject: 16.0 == 16, True == 1
-    and 1 == True hash alike, so the old key (values without types) matched the valid call's."""
+    and 1 == True hash alike, so a key of values without types would match the valid call's."""
     freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
     qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
     apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [16, 8, 8])            # plans the valid call
@@ -1644,8 +1707,8 @@ def _opcheck_cases():
         ("qkv_rope table", ops.qkv_rope.default,
          (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None)),
         ("qkv_rope module", ops.qkv_rope.default,
-         (qkv, module.inv_freq, None, module.inv_freq, None, True, 1, 1.0, 0.5, [10, 10, 10], "bshd", _ints([1, 0, 2, 3]),
-          False, 1, 0, None)),
+         (qkv, module.inv_freq, None, module.inv_freq, None, True, 1, 1.0, 0.5, [10, 10, 10], "bshd",
+          _ints([1, 0, 2, 3]), False, 1, 0, None)),
         ("qkv_rope_backward", ops.qkv_rope_backward.default,
          (*grads, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0, None)),
     ]
@@ -1736,7 +1799,8 @@ def test_out_of_another_shape_is_rejected():
 # contract says NaN. ROPE_FUZZ_EXAMPLES sets the examples per fuzz test (100 by default).
 
 try:
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 except ImportError:       # the fuzz tests skip, saying so
     st = None
 
@@ -2118,8 +2182,8 @@ def test_sanitize_qkv(split, kv_heads, rotary_percent):
 
 
 # --- Angles from positions: exactness, positions, M-RoPE ---
-# Issue 13: with a RotaryPositionEmbedding as freqs the kernel computes each angle as the exact
-# product position * inv_freq (no float32 table); issue 14: M-RoPE, each rotated pair taking its
+# With a RotaryPositionEmbedding as freqs the kernel computes each angle as the exact
+# product position * inv_freq (no float32 table); M-RoPE: each rotated pair taking its
 # position from its own axis. The references here are written from the definition in float64,
 # never through fused=False (which shares the launcher's position logic).
 
@@ -2253,7 +2317,7 @@ _EXACT_CASES = [
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("case,head_dim,rope", _EXACT_CASES, ids=[c[0] for c in _EXACT_CASES])
 def test_angles_from_positions_exact(case, head_dim, rope, interleaved):
-    """Issue 13: float32 input, positions up to 2^24 - 1, forward and backward within 2e-6
+    """float32 input, positions up to 2^24 - 1, forward and backward within 2e-6
     (relative) of the float64 rotation by position * inv_freq."""
     gen = torch.Generator().manual_seed(sum(map(ord, case)) + interleaved)
     shape, kwargs, pos = _exact_case(case, head_dim, gen)
@@ -2301,7 +2365,7 @@ def _sincos_error(hi, lo):
 
 
 def test_exact_angle_sincos_error_bound():
-    """Issue 13's bound, one level down: sin/cos of every float32 angle in (-2^24, 2^24) on a
+    """The exact path's bound, one level down: sin/cos of every float32 angle in (-2^24, 2^24) on a
     GPU (a sample of them in the interpreter), and of random exact products hi + lo (lo
     within half an ulp of hi), within SINCOS_ABS_BOUND of float64; NaN from 2^24 on."""
     gen = torch.Generator().manual_seed(60)
@@ -2341,8 +2405,9 @@ def _fma_probe(A, B, C, OUT, n, BLOCK: tl.constexpr):
 def _float32_nearest(value):
     """The float32 nearest to the exact rational `value`, ties to even (independent of any
     floating-point fma: candidates around float(value), compared in exact arithmetic)."""
-    import numpy as np
     from fractions import Fraction
+
+    import numpy as np
     guess = np.float32(float(value))
     candidates = [guess, np.nextafter(guess, np.float32(np.inf)), np.nextafter(guess, np.float32(-np.inf))]
     return min(candidates, key=lambda f: (abs(Fraction(float(f)) - value), int(np.array(f).view(np.int32)) & 1))
@@ -2359,7 +2424,8 @@ def test_fma_rounds_once():
     a = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 30, (n,), generator=gen).float())
     b = torch.randn(n, generator=gen)
     c = -(a * b)                                  # the rounded product: a * b + c is its error
-    c[n // 2:] = torch.randn(n // 2, generator=gen) * torch.exp2(torch.randint(-40, 40, (n // 2,), generator=gen).float())
+    scales = torch.exp2(torch.randint(-40, 40, (n // 2,), generator=gen).float())
+    c[n // 2:] = torch.randn(n // 2, generator=gen) * scales
     a[0], b[0], c[0] = 1 + 2**-12, 1 + 2**-12, -(1 + 2**-11)       # exactly 2^-24
     out = torch.empty(n, device=DEVICE)
     _fma_probe[(triton.cdiv(n, 512),)](a.to(DEVICE), b.to(DEVICE), c.to(DEVICE), out, n, BLOCK=512)
@@ -2546,7 +2612,7 @@ _BAD_POSITIONS = [
      "interleaved=False but freqs was built with interleaved=True"),
     ("call interleaved, module not", lambda: _positions_error_args(interleaved=True), ValueError,
      "interleaved=True but freqs was built with interleaved=False"),
-    # M-RoPE (issue 14): the axis dim must be there, with the module's number of axes
+    # M-RoPE: the axis dim must be there, with the module's number of axes
     ("M-RoPE module, one-axis positions", lambda: _positions_error_args(freqs=_mrope_module(False, 16, [2, 3, 3])),
      ValueError, "positions must have shape [3, s] or [3, b, s]"),
     ("M-RoPE module, two axes", lambda: _positions_error_args(
@@ -2615,7 +2681,7 @@ def test_torch_compile_fullgraph_module_and_positions():
     torch.testing.assert_close(torch.autograd.grad(out, x1, grad)[0], torch.autograd.grad(ref, x2, grad)[0])
 
 
-# M-RoPE (issue 14) against transformers' own Qwen2-VL / Qwen3-VL text rotary modules
+# M-RoPE against transformers' own Qwen2-VL / Qwen3-VL text rotary modules
 # (`_mrope_configs` and `_hf_mrope_module` above: head_dim 32, rope_theta 100).
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
@@ -3212,6 +3278,7 @@ def _time_sweep_point(sweep, params, dtype_name, mode, provider, results):
 def _environment():
     import datetime
     import subprocess
+
     import triton
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -3249,8 +3316,11 @@ def _peers():
     except Exception as err:  # not installed, or a release that does not import on this Triton
         missing["liger"] = f"liger_kernel.ops.rope: {err!r}"
     try:
-        from liger_kernel.ops.qwen2vl_mrope import qwen2vl_mrope_backward, qwen2vl_mrope_forward
-        from liger_kernel.ops.qwen2vl_mrope import LigerQwen2VLMRopeFunction
+        from liger_kernel.ops.qwen2vl_mrope import (
+            LigerQwen2VLMRopeFunction,
+            qwen2vl_mrope_backward,
+            qwen2vl_mrope_forward,
+        )
         found["liger_mrope"] = (LigerQwen2VLMRopeFunction, qwen2vl_mrope_forward,
                                 qwen2vl_mrope_backward)
     except Exception as err:
@@ -3501,8 +3571,8 @@ def _triton_copy_kernel(OUT, X, n, BLOCK: tl.constexpr):
 
 
 # A plain Triton copy: what a Triton kernel with the least work per byte reaches on this GPU.
-# Small programs (1024 elements, 4 warps: 16 or 32 bytes per thread and access) were the
-# fastest of the block sizes tried on the H200 (README, Results).
+# Small programs (1024 elements, 4 warps: 16 or 32 bytes per thread and access): the fastest
+# of the block sizes tried on the H200.
 TRITON_COPY_BLOCK, TRITON_COPY_WARPS = 1024, 4
 
 
@@ -3644,7 +3714,7 @@ WARM_UP_SECONDS = 2.0
 
 def _warm_up():
     """Copies for WARM_UP_SECONDS before the first timing: a fresh process's first timing
-    runs on a cold GPU (README, Benchmarks), and when it is a copy, every provider of that
+    runs on a cold GPU (docs/benchmarks.md), and when it is a copy, every provider of that
     point reads as faster than the copy."""
     import time
     src = torch.empty(2 ** 27, dtype=torch.float32, device=DEVICE)      # 512 MB

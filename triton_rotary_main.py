@@ -15,9 +15,16 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from triton_rotary_kernel import (AngleSource, angle_source, check_layout, check_qkv_args,
-                                  check_rope_args, qkv_outputs, set_rotary_kernel,
-                                  set_rotary_qkv_kernel)
+from triton_rotary_kernel import (
+    AngleSource,
+    angle_source,
+    check_layout,
+    check_qkv_args,
+    check_rope_args,
+    qkv_outputs,
+    set_rotary_kernel,
+    set_rotary_qkv_kernel,
+)
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "apply_fused_qkv_rotary_pos_emb",
            "RopeForwardAndBackward", "FusedQKVRopeForwardAndBackward", "RotaryPositionEmbedding",
@@ -378,6 +385,38 @@ class RopeCall(NamedTuple):
     transpose: bool
 
 
+def _save_call(ctx, tensors, without_tensors):
+    """Keep a call for the backward: its tensors through `ctx.save_for_backward`, the rest as
+    `without_tensors` (the call with those fields None). Modifying a saved tensor in place
+    before the backward then raises PyTorch's in-place error, as it does with TE, instead of
+    giving the gradient of other angles or positions."""
+    ctx.present = tuple(t is not None for t in tensors)
+    ctx.save_for_backward(*(t for t in tensors if t is not None))
+    ctx.call = without_tensors
+
+
+def _saved_tensors(ctx):
+    """The tensors `_save_call` saved, None where the call had none, in its order."""
+    saved = iter(ctx.saved_tensors)
+    return [next(saved) if present else None for present in ctx.present]
+
+
+def _save_rope_call(ctx, call):
+    source = call.source
+    _save_call(ctx, (source.angles, source.pair_axis, call.start_positions,
+                           call.cu_seqlens, call.positions),
+               call._replace(source=source._replace(angles=None, pair_axis=None),
+                             start_positions=None, cu_seqlens=None, positions=None))
+
+
+def _saved_rope_call(ctx):
+    angles, pair_axis, start_positions, cu_seqlens, positions = _saved_tensors(ctx)
+    call = ctx.call
+    return call._replace(source=call.source._replace(angles=angles, pair_axis=pair_axis),
+                         start_positions=start_positions, cu_seqlens=cu_seqlens,
+                         positions=positions)
+
+
 class RopeForwardAndBackward(torch.autograd.Function):
     """Autograd wiring: forward and backward are each one launch of `rotary_kernel`. The
     backward is this function again with the rotation transposed, so under
@@ -387,12 +426,12 @@ class RopeForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, call):
-        ctx.call = call
+        _save_rope_call(ctx, call)
         return _rope_launch(t, call, call.transpose)
 
     @staticmethod
     def backward(ctx, grad_out):
-        call = ctx.call
+        call = _saved_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return RopeForwardAndBackward.apply(grad_out, call._replace(transpose=not call.transpose)), None
         return _rope_launch(grad_out, call, not call.transpose), None
@@ -653,6 +692,23 @@ class QKVCall(NamedTuple):
     positions: Optional[torch.Tensor]
 
 
+def _save_qkv_call(ctx, call):
+    q, k = call.q_source, call.k_source
+    _save_call(ctx, (q.angles, q.pair_axis, k.angles, k.pair_axis, call.start_positions,
+                           call.positions),
+               call._replace(q_source=q._replace(angles=None, pair_axis=None),
+                             k_source=k._replace(angles=None, pair_axis=None),
+                             start_positions=None, positions=None))
+
+
+def _saved_qkv_call(ctx):
+    q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = _saved_tensors(ctx)
+    call = ctx.call
+    return call._replace(q_source=call.q_source._replace(angles=q_angles, pair_axis=q_pair_axis),
+                         k_source=call.k_source._replace(angles=k_angles, pair_axis=k_pair_axis),
+                         start_positions=start_positions, positions=positions)
+
+
 class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
     """Fused QKV: one launch forward (packed qkv -> q, k, v), one launch backward (-> the
     packed gradient). The backward is `_FusedQKVRopeTranspose`, whose own backward is this
@@ -660,14 +716,15 @@ class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, call):
-        ctx.call = call
+        _save_qkv_call(ctx, call)
         return _qkv_launch(qkv, call)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
+        call = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
-            return _FusedQKVRopeTranspose.apply(dq, dk, dv, ctx.call), None
-        return _qkv_backward_launch(dq, dk, dv, ctx.call), None
+            return _FusedQKVRopeTranspose.apply(dq, dk, dv, call), None
+        return _qkv_backward_launch(dq, dk, dv, call), None
 
 
 class _FusedQKVRopeTranspose(torch.autograd.Function):
@@ -675,14 +732,15 @@ class _FusedQKVRopeTranspose(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dq, dk, dv, call):
-        ctx.call = call
+        _save_qkv_call(ctx, call)
         return _qkv_backward_launch(dq, dk, dv, call)
 
     @staticmethod
     def backward(ctx, grad_dqkv):
+        call = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():
-            return (*FusedQKVRopeForwardAndBackward.apply(grad_dqkv, ctx.call), None)
-        return (*_qkv_launch(grad_dqkv, ctx.call), None)
+            return (*FusedQKVRopeForwardAndBackward.apply(grad_dqkv, call), None)
+        return (*_qkv_launch(grad_dqkv, call), None)
 
 
 def _qkv_op_args(call):
