@@ -87,7 +87,7 @@ run:
 # Prints the interpreter to use locally, making or completing .venv only when the current one
 # lacks what the tests import (VENV_ONLY=1: always .venv, as CI does). What pip prints goes to
 # stderr, so that the first run shows what it downloads.
-TEST_IMPORTS = torch, triton, numpy, pytest, xdist, hypothesis, transformers, ruff
+TEST_IMPORTS = torch, triton, numpy, pytest, xdist, hypothesis, transformers
 local-python:
 	@if [ -z "$(VENV_ONLY)" ] && $(PYTHON) -c "import $(TEST_IMPORTS)" >/dev/null 2>&1; then \
 	  echo $(PYTHON); \
@@ -106,7 +106,10 @@ local-python:
 test-full: export ROPE_TEST_MATRIX = full
 
 lint:
-	@PY=$$($(MAKE) -s --no-print-directory local-python RUNNER=local) && $$PY -m ruff check .
+	@PY=$$($(MAKE) -s --no-print-directory local-python RUNNER=local) && \
+	{ $$PY -m ruff --version >/dev/null 2>&1 || \
+	  { echo "make lint: no ruff for $$PY (pip install ruff; requirements.txt lists it)" >&2; exit 1; }; } && \
+	$$PY -m ruff check .
 
 ifeq ($(RUNNER),docker)
 test test-full:

@@ -6,7 +6,37 @@
 The tests run on a CUDA GPU at Transformer Engine's own test shapes, or without a GPU through
 Triton's interpreter (TRITON_INTERPRET=1, chosen in conftest.py) at the scaled-down shapes of
 `SIZES["interpreter"]`. Wherever TE's fused RoPE can be loaded (see te_comparator.py) the
-results are also compared with it; elsewhere those cases are skipped with the reason.
+results are also compared with it; elsewhere those cases are skipped with the reason. The
+other references are the unfused PyTorch formula (fused=False, in float64 where a test says so),
+transformers' own modules, plain torch ops or hand-computed values, never the kernel itself.
+
+Contents (each section starts with a `# == N.` banner):
+
+     1. Transformer Engine's own test matrices: TE's test_fused_rope, test_fused_rope_thd and
+        test_fused_qkv_rope, compared with TE's kernel where it loads and with the unfused
+        formula everywhere.
+     2. Independent references: the textbook rotation, float64 gradcheck, every element written,
+        determinism, NaN and Inf, odd sizes.
+     3. transformers parity: RoPE scaling, Hugging Face configs and M-RoPE, with transformers'
+        own modules as the oracle.
+     4. Angles from positions: exactness against float64, the sin/cos bound, the single-rounding
+        fma, positions and M-RoPE.
+     5. API semantics: thd pass-through, positions outside a table, index dtypes, in place,
+        empty inputs, arguments saved for the backward.
+     6. Errors: bad input raises a ValueError or TypeError naming the argument.
+     7. Integration: torch.compile, opcheck of the custom ops, CUDA graphs, context parallelism
+        across processes.
+     8. Launcher internals: the thd search, launch rule and grid, the plan cache, the compiled
+        kernels' launcher, the generated code.
+     9. Fuzzing: random layouts, strides, dtypes and angle sources against the unfused formula
+        in float64 (strategies in rope_fuzz_strategies.py).
+    10. GPU only: sanitizer cases and large tensors: `make sanitize` runs the -m sanitize tests
+        under compute-sanitizer.
+    11. Accuracy study and benchmark report: the study's story, the summaries, plots and stamps
+        of rope_bench_report.py.
+
+Shared helpers live in rope_test_support.py, the fuzz strategies in rope_fuzz_strategies.py,
+the benchmark in rope_bench.py and its report in rope_bench_report.py.
 """
 
 import collections
@@ -16,7 +46,6 @@ import json
 import math
 import os
 import re
-from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -25,19 +54,43 @@ import triton.language as tl
 
 import rope_bench_report as report
 import triton_rotary_kernel
-from rope_bench_report import (
-    ARTIFACTS_ROOT,
-    BENCH_DEFAULTS,
-    KERNEL_MODES,
-    MODEL_MODES,
-    MODEL_POINTS,
-    MODES,
-    PEERS,
-    PROVIDERS,
-    SWEEPS,
+from rope_bench import run_benchmarks
+from rope_fuzz_strategies import (
+    assert_fuzz_close,
+    fuzz,
+    fuzz_reference,
+    laid_out,
+    poisoned_view,
+    qkv_calls,
+    rope_calls,
+    st,
 )
-from te_comparator import load_te_qkv_rope, load_te_rope
-from triton_rotary_kernel import _program_tokens, _tile_sequences, set_rotary_kernel, set_rotary_qkv_kernel
+from rope_test_support import (
+    ACCURACY_INPUTS,
+    DEVICE,
+    DTYPES,
+    EXACT_REL_TOL,
+    MAX_EXACT_POSITION,
+    ON_GPU,
+    YARN,
+    accuracy_vs_position,
+    compare,
+    compare_qkv,
+    fused_and_unfused,
+    independent_positions,
+    int_tensor,
+    mrope_axis_rule,
+    mrope_module,
+    non_overlapping_grad,
+    overlapping_grad,
+    pair_positions,
+    plot_accuracy,
+    rel_error,
+    rotate64,
+    unfused_reference,
+)
+from te_comparator import load_te_rope
+from triton_rotary_kernel import _program_tokens, _tile_sequences, set_rotary_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding,
     apply_fused_qkv_rotary_pos_emb,
@@ -45,9 +98,12 @@ from triton_rotary_main import (
     apply_rotary_pos_emb_inplace,
 )
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# =================================================================================================
+# == 1. Transformer Engine's own test matrices
+#    TE's test_fused_rope, test_fused_rope_thd and test_fused_qkv_rope, compared with TE's
+#    kernel where it loads and with the unfused formula everywhere.
+# =================================================================================================
+
 
 # The one place test sizes live. TE's test_fused_rope uses the "gpu" row; the interpreter
 # runs every program in Python, so it gets the same matrix on fewer tokens and heads.
@@ -60,6 +116,7 @@ SIZES = {
                         qkv_seq_lengths=(2, 8, 24), qkv_hidden_sizes=(64, 128, 256), kv_heads=2),
 }[("gpu" if ON_GPU else "interpreter")]
 
+
 # Which cases of TE's three test matrices run: "full", every combination TE's tests allow;
 # "quick", every combination of the axes that select kernel code, with the other axes' values
 # chosen so that each pair of values of any two axes still occurs (`_te_matrix`). Quick is the
@@ -67,74 +124,6 @@ SIZES = {
 TEST_MATRIX = os.environ.get("ROPE_TEST_MATRIX") or ("full" if ON_GPU else "quick")
 if TEST_MATRIX not in ("full", "quick"):
     raise ValueError(f"ROPE_TEST_MATRIX must be 'full' or 'quick', not {TEST_MATRIX!r}")
-
-
-def _te(loader=load_te_rope, what="fused RoPE"):
-    """TE's fused RoPE (or another of its functions, by loader), else skip saying why."""
-    fn, reason = loader()
-    if fn is None:
-        pytest.skip(f"Transformer Engine's {what} unavailable: {reason}")
-    return fn
-
-
-# Gradient is a broadcast scalar: every stride of the incoming gradient is 0.
-def _overlapping_grad(output):
-    return output.sum() * 2
-
-
-# Gradient is a full tensor.
-def _non_overlapping_grad(output):
-    return torch.sum(output * torch.ones_like(output))
-
-
-# Gradient with distinct small-integer weights per element: exact in every dtype.
-def _distinct_weights_grad(output):
-    weights = torch.arange(output.numel(), device=output.device) % 7 - 3
-    return torch.sum(output * weights.view(output.shape))
-
-
-def _run(fn, t, loss_func, **kwargs):
-    """Forward output and input gradient of fn(t, ...)."""
-    t = t.detach().requires_grad_(True)
-    out = fn(t, **kwargs)
-    loss_func(out).backward()
-    return out.detach(), t.grad
-
-
-def _reference(t, **kwargs):
-    """TE's unfused formula in float32 (the comparison TE's own tests make)."""
-    return apply_rotary_pos_emb(t.float(), fused=False, **kwargs).to(t.dtype)
-
-
-def _compare(fn, t, loss_func, reference, **kwargs):
-    out, grad = _run(fn, t, loss_func, **kwargs)
-    if reference == "te":
-        ref_out, ref_grad = _run(_te(), t, loss_func, **kwargs)
-    else:
-        ref_out, ref_grad = _run(_reference, t, loss_func, **kwargs)
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(grad, ref_grad)
-    assert out.is_contiguous() and out.dtype == t.dtype and out.shape == t.shape
-
-
-def _compare_qkv(qkv, q_freqs, k_freqs, split, loss_func=_distinct_weights_grad,
-                 reference="unfused", check_grad=True, **kwargs):
-    """Fused QKV outputs (contiguous) and packed gradient against the unfused formula in
-    float32, or against TE's kernel."""
-    ref_fn = (_te(load_te_qkv_rope, "fused QKV RoPE") if reference == "te"
-              else functools.partial(apply_fused_qkv_rotary_pos_emb, fused=False))
-    results = []
-    for fn, x in ((apply_fused_qkv_rotary_pos_emb, qkv), (ref_fn, qkv if reference == "te" else qkv.float())):
-        x = x.detach().requires_grad_(True)
-        outs = fn(x, q_freqs, k_freqs, split, **kwargs)
-        loss_func(torch.cat([o.flatten() for o in outs])).backward()
-        results.append(([o.detach().to(qkv.dtype) for o in outs], x.grad.to(qkv.dtype)))
-    (outs, grad), (ref_outs, ref_grad) = results
-    for out, ref_out in zip(outs, ref_outs):
-        torch.testing.assert_close(out, ref_out)
-        assert out.is_contiguous()
-    if check_grad:
-        torch.testing.assert_close(grad, ref_grad)
 
 
 def _te_allows_start_positions(start_positions, cp_size, margin=None, **_):
@@ -190,7 +179,7 @@ def _te_matrix(primary, allowed, **axes):
     `reference="te"`, against TE's own kernel. Only cases `allowed(**case)` accepts are
     generated. TEST_MATRIX "full" takes them all, "quick" a `_pairwise_cover` of them that keeps
     every combination of the `primary` axes."""
-    axes = dict(axes, loss_func=[_overlapping_grad, _non_overlapping_grad], interleaved=[False, True],
+    axes = dict(axes, loss_func=[overlapping_grad, non_overlapping_grad], interleaved=[False, True],
                 cp_size=[1, 2], start_positions=[False, True])
     names = list(axes)
     cases = [idx for idx in itertools.product(*(range(len(values)) for values in axes.values()))
@@ -208,10 +197,6 @@ def _te_matrix(primary, allowed, **axes):
             ids.append(f"{case_id}-{reference}")
     return pytest.mark.parametrize(names + ["reference"], params, ids=ids)
 
-
-# ---------------------------------------------------------------------------------------------
-# TE's test matrix (tests/pytorch/test_fused_rope.py)
-# ---------------------------------------------------------------------------------------------
 
 @_te_matrix(primary=("dtype", "tensor_format", "rotary_percent", "interleaved", "cp_size",
                      "start_positions"),
@@ -232,7 +217,7 @@ def test_fused_rope(dtype, seq_length, hidden_size, rotary_percent, margin, tran
     freqs = RotaryPositionEmbedding(hidden_size, rotary_percent, interleaved=interleaved,
                                     device=DEVICE)(seq_length * cp_size)
     for cp_rank in range(cp_size):
-        _compare(apply_rotary_pos_emb, t, loss_func, reference, freqs=freqs,
+        compare(apply_rotary_pos_emb, t, loss_func, reference, freqs=freqs,
                  tensor_format=tensor_format, start_positions=starts, interleaved=interleaved,
                  cp_size=cp_size, cp_rank=cp_rank)
 
@@ -262,7 +247,7 @@ def test_fused_rope_thd(dtype, hidden_size, rotary_percent, transpose, loss_func
     freqs = RotaryPositionEmbedding(hidden_size, rotary_percent, interleaved=interleaved,
                                     device=DEVICE)(cu[-1] + SIZES["margin"])
     for cp_rank in range(cp_size):
-        _compare(apply_rotary_pos_emb, t, loss_func, reference, freqs=freqs, tensor_format="thd",
+        compare(apply_rotary_pos_emb, t, loss_func, reference, freqs=freqs, tensor_format="thd",
                  start_positions=starts, interleaved=interleaved, cu_seqlens=cu_seqlens,
                  cp_size=cp_size, cp_rank=cp_rank)
 
@@ -295,24 +280,17 @@ def test_fused_qkv_rope(dtype, seq_length, hidden_size, rotary_percent, margin, 
     for cp_rank in range(cp_size):
         # TE's fused-QKV backward takes no start_positions (nvte_fused_qkv_rope_backward), so
         # its gradient ignores them; ours is checked against the unfused reference instead.
-        _compare_qkv(qkv, q_freqs, k_freqs, split, loss_func, reference,
+        compare_qkv(qkv, q_freqs, k_freqs, split, loss_func, reference,
                      check_grad=not (reference == "te" and start_positions),
                      tensor_format=tensor_format, start_positions=starts, interleaved=interleaved,
                      cp_size=cp_size, cp_rank=cp_rank)
 
 
-# ---------------------------------------------------------------------------------------------
-# Beyond TE's tests
-# ---------------------------------------------------------------------------------------------
-
-def _independent_positions(seq_len, cp_size, cp_rank):
-    """Positions of a rank's local tokens, written the way TE's unfused code slices freqs."""
-    half = seq_len // 2
-    if cp_size == 1:
-        return list(range(seq_len))
-    full = cp_size * seq_len
-    return (list(range(cp_rank * half, (cp_rank + 1) * half))
-            + list(range(full - (cp_rank + 1) * half, full - cp_rank * half)))
+# =================================================================================================
+# == 2. Independent references
+#    The textbook rotation, float64 gradcheck, every element written, determinism, NaN and Inf,
+#    odd sizes.
+# =================================================================================================
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -325,7 +303,7 @@ def test_matches_textbook_rotation(interleaved, cp_size, cp_rank):
     t = torch.randn(s, b, h, d, dtype=torch.float32, device=DEVICE)
     freqs = RotaryPositionEmbedding(d2, interleaved=interleaved, device=DEVICE)(s * cp_size)
     out = apply_rotary_pos_emb(t, freqs, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
-    pos = torch.tensor(_independent_positions(s, cp_size, cp_rank), device=DEVICE)
+    pos = torch.tensor(independent_positions(s, cp_size, cp_rank), device=DEVICE)
     theta = freqs[pos, 0, 0, :].double()                                     # [s, d2]
     x = t[..., :d2].double()
     if interleaved:
@@ -379,7 +357,7 @@ def test_every_output_element_written():
             out = torch.full_like(t, float("nan"))
             set_rotary_kernel(t, freqs, interleaved=interleaved, out=out)
             assert not out.isnan().any(), (interleaved, d, d2)
-            torch.testing.assert_close(out, _reference(t, freqs=freqs, interleaved=interleaved))
+            torch.testing.assert_close(out, unfused_reference(t, freqs=freqs, interleaved=interleaved))
 
 
 def test_bitwise_deterministic():
@@ -424,7 +402,7 @@ def test_odd_head_and_rotary_dims(dtype, head_dim, rotary_dim, interleaved):
     for reference in ("unfused", "te"):
         if reference == "te" and load_te_rope()[0] is None:
             continue
-        _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, reference, freqs=freqs,
+        compare(apply_rotary_pos_emb, t, non_overlapping_grad, reference, freqs=freqs,
                  interleaved=interleaved)
 
 
@@ -458,7 +436,115 @@ def test_rotary_position_embedding_matches_formula():
     torch.testing.assert_close(scaled, RotaryPositionEmbedding(8, rotary_base=100.0, device=DEVICE)(5) / 2)
 
 
-# --- transformers RoPE scaling and M-RoPE: transformers itself is the oracle -------------------
+def test_result_does_not_depend_on_batch():
+    """A token's output is bit-identical whether it is rotated alone or inside a large batch,
+    although the two calls get different tiles and grids."""
+    torch.manual_seed(22)
+    t = torch.randn(64, 16, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    freqs = RotaryPositionEmbedding(64, device=DEVICE)(64)
+    for backward in (False, True):
+        whole = set_rotary_kernel(t, freqs, backward=backward)
+        for row in (0, 5, 63):
+            alone = set_rotary_kernel(t[row:row + 1, 3:4].clone(), freqs[row:], backward=backward)
+            assert torch.equal(whole[row:row + 1, 3:4], alone), (backward, row)
+
+
+def test_negative_bit_inputs():
+    """The kernel reads raw memory, so a tensor with the negative bit (a lazily negated view)
+    must be resolved first, or the kernel reads the un-negated values. Each result must equal
+    the same call on the resolved tensor, bit for bit."""
+    torch.manual_seed(32)
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
+    base = torch.randn(4, 2, 3, 12, device=DEVICE)
+    z = torch.complex(torch.randn_like(base), base)
+    for view in (torch._neg_view(base), z.conj().imag):
+        assert view.is_neg()
+        resolved = view.resolve_neg()
+        assert torch.equal(apply_rotary_pos_emb(view, freqs), apply_rotary_pos_emb(resolved, freqs))
+        torch.testing.assert_close(apply_rotary_pos_emb(view, freqs), unfused_reference(resolved, freqs=freqs))
+    # A negative-bit table, start positions and gradient.
+    table = torch._neg_view(-freqs)
+    starts = torch._neg_view(int_tensor([0, -1]))
+    assert table.is_neg() and starts.is_neg()
+    torch.testing.assert_close(apply_rotary_pos_emb(base, table, start_positions=starts[:2]),
+                               apply_rotary_pos_emb(base, freqs, start_positions=int_tensor([0, 1])))
+    grad = torch.randn_like(base)
+    x = base.clone().requires_grad_(True)
+    out = apply_rotary_pos_emb(x, freqs)
+    (with_neg,) = torch.autograd.grad(out, x, torch._neg_view(-grad), retain_graph=True)
+    (plain,) = torch.autograd.grad(out, x, grad)
+    assert torch.equal(with_neg, plain)
+    # Fused QKV: packed input and each incoming gradient with the negative bit.
+    packed = torch.randn(4, 2, 2, 32, device=DEVICE)
+    outs = apply_fused_qkv_rotary_pos_emb(torch._neg_view(packed), freqs, freqs * 0.5, [16, 8, 8])
+    for out, ref in zip(outs, apply_fused_qkv_rotary_pos_emb(-packed, freqs, freqs * 0.5, [16, 8, 8])):
+        assert torch.equal(out, ref)
+    x = packed.clone().requires_grad_(True)
+    outs = apply_fused_qkv_rotary_pos_emb(x, freqs, freqs * 0.5, [16, 8, 8])
+    grads = [torch.randn_like(o) for o in outs]
+    (with_neg,) = torch.autograd.grad(outs, x, [torch._neg_view(-g) for g in grads], retain_graph=True)
+    assert torch.equal(with_neg, torch.autograd.grad(outs, x, grads)[0])
+    # In place cannot resolve the bit without a copy: refused, naming t; out= likewise.
+    with pytest.raises(ValueError, match=r"needs t without a negative"):
+        apply_rotary_pos_emb_inplace(torch._neg_view(base.clone()), freqs)
+    with pytest.raises(ValueError, match=r"out must not have the negative bit"):
+        set_rotary_kernel(base, freqs, out=torch._neg_view(torch.empty_like(base)))
+
+
+@pytest.mark.parametrize("path", ["table", "module", "qkv-table", "qkv-module"])
+def test_double_backward_gradgradcheck(path):
+    """The backward is itself differentiable (a bare launch in the backward would make
+    create_graph=True silently give a gradient without a graph). float64, tiny shapes: every
+    check runs the kernel through the interpreter."""
+    torch.manual_seed(33)
+    # Arbitrary table angles (pair members differ) check the transpose, not only a rotation.
+    table = torch.randn(4, 1, 1, 8, device=DEVICE) * 3
+    freqs = table if path.endswith("table") else RotaryPositionEmbedding(8, device=DEVICE)
+    if path.startswith("qkv"):
+        x = torch.randn(3, 1, 1, 30, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        k_freqs = (table.flip(0) if path.endswith("table")
+                   else RotaryPositionEmbedding(8, rotary_base=50.0, device=DEVICE))
+        fn = lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, k_freqs, [10, 10, 10])  # noqa: E731
+    else:
+        x = torch.randn(3, 1, 2, 10, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        fn = lambda x: apply_rotary_pos_emb(x, freqs, start_positions=int_tensor([1]))  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (x,), fast_mode=True)
+
+
+def test_gradient_penalty():
+    """d/dw of ||dL/dx||^2 (a gradient penalty) through the kernel's double backward equals the
+    unfused formula's, and, for a linear loss, the hand-computed 2 * w * ||c||^2."""
+    torch.manual_seed(34)
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    t = torch.randn(6, 2, 3, 12, dtype=torch.float64, device=DEVICE)
+    c = torch.randn_like(t)
+    w0 = torch.randn(12, dtype=torch.float64, device=DEVICE)
+    results = []
+    for fused in (True, False):
+        w = w0.clone().requires_grad_(True)
+        x = t.clone().requires_grad_(True)
+        y = apply_rotary_pos_emb(x * w, freqs, fused=fused)
+        loss = (y * y * c).sum()                      # not linear: the penalty depends on y
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        (dw,) = torch.autograd.grad(gx.pow(2).sum(), w)
+        results.append(dw)
+    # The kernel's float64 sin/cos against the unfused formula's float32 ones.
+    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-6)
+    # Linear loss <rope(w * x), c>: dL/dx = w * R^T c and R is a rotation (f1 == f2 here), so
+    # ||dL/dx||^2 = w^2 ||c||^2 and its derivative is 2 * w * ||c||^2.
+    w = torch.tensor(0.75, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    x = t.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad((apply_rotary_pos_emb(x * w, freqs) * c).sum(), x, create_graph=True)
+    (dw,) = torch.autograd.grad(gx.pow(2).sum(), w)
+    torch.testing.assert_close(dw, 2 * 0.75 * c.pow(2).sum())
+
+
+# =================================================================================================
+# == 3. transformers parity
+#    RoPE scaling, Hugging Face configs and M-RoPE, with transformers' own modules as the
+#    oracle.
+# =================================================================================================
+
 
 def _transformers():
     return pytest.importorskip("transformers", reason="transformers is the oracle for rope_scaling / M-RoPE")
@@ -712,789 +798,43 @@ def test_rotary_position_embedding_table_matches_transformers(case):
     torch.testing.assert_close(table[:, 0, 0].double(), torch.cat((expected, expected), -1), rtol=1e-7, atol=0)
 
 
-_BAD_ROPE_ARGS = [
-    (dict(rope_scaling={"rope_type": "ntk-magic"}), ValueError, "rope_scaling.*ntk-magic"),
-    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), ValueError, "rope_scaling.*dynamic.*supported"),
-    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
-                        "original_max_position_embeddings": 4096}), ValueError, "rope_scaling.*longrope.*supported"),
-    (dict(rope_scaling={"rope_type": "linear"}), ValueError, r"rope_scaling\['factor'\]"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": "2"}), TypeError, r"rope_scaling\['factor'\]"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": 0}), ValueError, r"rope_scaling\['factor'\]"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}), ValueError, "low_freq_factor"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
-                        "original_max_position_embeddings": 8192}), ValueError, "high_freq_factor"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError, "original_max_position_embeddings"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096}),
-     ValueError, "max_position_embeddings"),
-    (dict(rope_scaling=[("rope_type", "linear")]), TypeError, "rope_scaling"),
-    (dict(rope_scaling={"rope_type": "default", "rope_theta": 500000.0}), ValueError, "rotary_base"),
-    (dict(mrope_section=[10, 10, 10]), ValueError, "mrope_section.*sum"),
-    (dict(mrope_section=[20, 14, -2]), ValueError, "mrope_section.*non-negative"),
-    (dict(mrope_section=[16.0, 8, 8]), TypeError, "mrope_section"),
-    (dict(mrope_section=32), TypeError, "mrope_section"),
-    (dict(mrope_section=[16, 16], mrope_interleaved=True), ValueError, "mrope_section"),
-    (dict(mrope_interleaved=True), ValueError, "mrope_section"),
-    (dict(rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8]}, mrope_section=[8, 16, 8]),
-     ValueError, "mrope_section"),
-    (dict(dim=10, rotary_percent=0.5), ValueError, "even"),
-    (dict(dim=66, rotary_percent=0.01), ValueError, "even"),
-    (dict(dim=0), ValueError, "dim"),
-    (dict(rotary_percent=1.5), ValueError, "rotary_percent"),
-    (dict(rotary_base=-1.0), ValueError, "rotary_base"),
-]
-
-
-@pytest.mark.parametrize("kwargs,error,match", _BAD_ROPE_ARGS, ids=[m for _, _, m in _BAD_ROPE_ARGS])
-def test_rope_scaling_bad_arguments_raise(kwargs, error, match):
-    kwargs = dict(kwargs)
-    dim = kwargs.pop("dim", 64)
-    with pytest.raises(error, match=match):
-        RotaryPositionEmbedding(dim, device="cpu", **kwargs)
-
-
-def test_from_hf_config_bad_configs_raise():
-    with pytest.raises(ValueError, match="head_dim"):
-        RotaryPositionEmbedding.from_hf_config({"rope_theta": 10000.0})
-    per_layer = {"hidden_size": 512, "num_attention_heads": 8,
-                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
-    with pytest.raises(ValueError, match="rope_parameters"):
-        RotaryPositionEmbedding.from_hf_config(per_layer)
-    with pytest.raises(ValueError, match="rope_scaling.*dynamic"):
-        RotaryPositionEmbedding.from_hf_config({"hidden_size": 512, "num_attention_heads": 8,
-                                                "rope_scaling": {"type": "dynamic", "factor": 2.0}})
-
-
-@triton.jit
-def _tile_sequences_probe(CU_SEQLENS, SEQ, SEQ_START, SEQ_END, num_tokens, num_seqs, cp_size,
-                          BLOCK_T: tl.constexpr, SEARCH_LEVELS: tl.constexpr):
-    """The thd sequence search of rotary_kernel for tiles of BLOCK_T tokens (its tokens as the
-    kernel picks them), its results stored per token."""
-    tok, ok, _, _ = _program_tokens(tl.program_id(0), num_tokens, 0, 1, BLOCK_T, True, True)
-    seq, seq_start, seq_end = _tile_sequences(CU_SEQLENS, tl.program_id(0) * BLOCK_T,
-                                              (tok.to(tl.int64) + 1) * cp_size, num_seqs, cp_size,
-                                              SEARCH_LEVELS)
-    tl.store(SEQ + tok, seq, mask=ok)
-    tl.store(SEQ_START + tok, seq_start, mask=ok)
-    tl.store(SEQ_END + tok, seq_end, mask=ok)
-
-
-def _lengths_cu(lengths, start=0):
-    return list(itertools.accumulate(lengths, initial=start))
-
-
-# (cu_seqlens, tokens past its end, cp_size, tokens per tile): a tile crossing few sequence ends
-# (read from one vector of cu_seqlens after the first token's search) or many (every token
-# searched on its own).
-_TILE_SEARCH_CASES = {
-    "long sequences": (_lengths_cu([64] * 16), 0, 1, 8),
-    "one-token tiles": (_lengths_cu([3, 1, 5, 2] * 4), 0, 1, 1),
-    "short and empty sequences": (_lengths_cu([0, 1, 0, 2, 1, 0, 0, 3] * 40), 0, 1, 16),
-    "tokens before and after": (_lengths_cu([7, 0, 9, 30, 1, 1, 1, 12], start=5), 11, 1, 8),
-    "context parallel": (_lengths_cu([8, 4, 12, 0, 16, 4] * 3), 0, 2, 4),
-    "5000 sequences": (_lengths_cu([1, 2, 0, 3, 1] * 1000), 0, 1, 8),
-}
-
-
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("case", list(_TILE_SEARCH_CASES))
-def test_tile_sequence_search_matches_searchsorted(case, index_dtype):
-    """Each token's sequence (the last i with cu[i] // cp_size <= token, 0 if none) and its
-    bounds, whether the tile's tokens come from the vector after the first token's sequence
-    or (many sequence ends in one tile) from a search of their own."""
-    cu, past_end, cp_size, block_t = _TILE_SEARCH_CASES[case]
-    cu_seqlens = torch.tensor(cu, dtype=index_dtype, device=DEVICE)
-    num_seqs = len(cu) - 1
-    num_tokens = cu[-1] // cp_size + past_end
-    seq, seq_start, seq_end = (torch.full((num_tokens,), -1, dtype=index_dtype, device=DEVICE)
-                               for _ in range(3))
-    _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
-        cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, BLOCK_T=block_t,
-        SEARCH_LEVELS=triton_rotary_kernel._search_levels(num_seqs))
-    local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
-    tokens = torch.arange(num_tokens)
-    expected = (torch.searchsorted(local_cu, tokens, right=True) - 1).clamp(min=0)
-    assert seq.cpu().tolist() == expected.tolist()
-    torch.testing.assert_close(seq_start.cpu().long(), torch.tensor(cu)[expected])
-    torch.testing.assert_close(seq_end.cpu().long(), torch.tensor(cu)[(expected + 1).clamp(max=num_seqs)])
-
-
-def test_thd_tokens_outside_sequences_pass_through():
-    """TE leaves tokens past cu_seqlens[-1] uninitialised; here they are returned unchanged
-    (and their gradient passes through), in both the kernel and the unfused path."""
-    torch.manual_seed(6)
-    cu_seqlens = torch.tensor([0, 3, 3, 7], dtype=torch.int32, device=DEVICE)   # an empty sequence
-    t = torch.randn(11, 2, 16, device=DEVICE)
-    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
-    grad = torch.randn_like(t)
-    for fused in (True, False):
-        x = t.clone().requires_grad_(True)
-        out = apply_rotary_pos_emb(x, freqs, "thd", cu_seqlens=cu_seqlens, fused=fused)
-        (g,) = torch.autograd.grad(out, x, grad)
-        assert torch.equal(out[7:], t[7:]) and torch.equal(g[7:], grad[7:])
-        assert not torch.allclose(out[1:7], t[1:7])
-    torch.testing.assert_close(apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=cu_seqlens),
-                               _reference(t, freqs=freqs, tensor_format="thd", cu_seqlens=cu_seqlens))
-
-
-def test_positions_outside_freqs_give_nan():
-    """A start position running past freqs gives NaN rows (never an out-of-bounds read)."""
-    t = torch.randn(4, 2, 3, 16, device=DEVICE)
-    freqs = RotaryPositionEmbedding(16, device=DEVICE)(6)
-    starts = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)   # batch 1 needs rows 3..6
-    for fused in (True, False):
-        out = apply_rotary_pos_emb(t, freqs, start_positions=starts, fused=fused)
-        assert not out[:, 0].isnan().any()
-        assert out[:3, 1].isfinite().all() and out[3, 1].isnan().all()
-
-
-def test_int64_index_tensors_and_strided_inputs_match_int32():
-    torch.manual_seed(7)
-    cu = [0, 5, 9, 16]
-    t = torch.randn(16, 4, 32, device=DEVICE)
-    freqs = RotaryPositionEmbedding(32, device=DEVICE)(24)
-    starts = [3, 0, 7]
-    expected = apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
-                                    start_positions=torch.tensor(starts, dtype=torch.int32, device=DEVICE))
-    cu64 = torch.tensor([0, 0] + cu, dtype=torch.int64, device=DEVICE)[2:]      # offset storage
-    starts64 = torch.tensor([[s, -1] for s in starts], dtype=torch.int64, device=DEVICE)[:, 0]  # strided
-    torch.testing.assert_close(apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=cu64, start_positions=starts64),
-                               expected)
-
-
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
-def test_inplace_matches_out_of_place(tensor_format, interleaved):
-    torch.manual_seed(8)
-    shape = {"sbhd": (6, 2, 3, 24), "bshd": (2, 6, 3, 24), "thd": (12, 3, 24)}[tensor_format]
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE) if tensor_format == "thd" else None
-    # q inside a packed [.., 3 heads of q | 2 heads of other] buffer: a strided view.
-    packed = torch.randn(*shape[:-2], shape[-2] + 2, shape[-1], device=DEVICE)
-    q = packed[..., :shape[-2], :]
-    freqs = RotaryPositionEmbedding(16, interleaved=interleaved, device=DEVICE)(12)
-    expected = apply_rotary_pos_emb(q, freqs, tensor_format, interleaved=interleaved, cu_seqlens=cu)
-    untouched = packed.clone()
-    with torch.inference_mode():
-        returned = apply_rotary_pos_emb_inplace(q, freqs, tensor_format, interleaved=interleaved, cu_seqlens=cu)
-    assert returned.data_ptr() == q.data_ptr()
-    torch.testing.assert_close(q, expected)
-    assert torch.equal(packed[..., shape[-2]:, :], untouched[..., shape[-2]:, :])   # other heads
-    assert torch.equal(q[..., 16:], untouched[..., :shape[-2], 16:])               # channels >= d2
-
-
-def test_inplace_rejects_training_and_overlap():
-    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
-    t = torch.randn(4, 2, 3, 16, device=DEVICE, requires_grad=True)
-    with pytest.raises(ValueError, match="t requires grad"):
-        apply_rotary_pos_emb_inplace(t, freqs)
-    with pytest.raises(ValueError, match="overlapping memory"):
-        apply_rotary_pos_emb_inplace(torch.randn(1, 1, 3, 16, device=DEVICE).expand(4, 2, 3, 16), freqs)
-
-
-def _valid_args():
-    return dict(t=torch.randn(4, 2, 3, 16, device=DEVICE), freqs=RotaryPositionEmbedding(16, device=DEVICE)(8))
-
-
-def _thd_args(**extra):
-    return dict(t=torch.randn(6, 3, 16, device=DEVICE), freqs=RotaryPositionEmbedding(16, device=DEVICE)(8),
-                tensor_format="thd", **extra)
-
-
-def _ints(values, dtype=torch.int32):
-    return torch.tensor(values, dtype=dtype, device=DEVICE)
-
-
-# (name, how to break the arguments, error type, text the message must contain)
-BAD_INPUTS = [
-    ("t not a tensor", lambda a: a.update(t=[[1.0]]), TypeError, "t must be a torch.Tensor"),
-    ("t integer", lambda a: a.update(t=a["t"].int()), TypeError, "t must be float32"),
-    ("t rank vs format", lambda a: a.update(t=a["t"][0]), ValueError, "t must be 4-D"),
-    ("thd rank", lambda a: a.update(tensor_format="thd", cu_seqlens=_ints([0, 4])), ValueError, "t must be 3-D"),
-    ("unknown format", lambda a: a.update(tensor_format="sbdh"), ValueError, "tensor_format must be one of"),
-    ("freqs not a tensor", lambda a: a.update(freqs=1.0), TypeError, "freqs must be a torch.Tensor"),
-    ("freqs integer", lambda a: a.update(freqs=a["freqs"].int()), TypeError, "freqs must be a floating-point"),
-    ("freqs 2-D", lambda a: a.update(freqs=a["freqs"][:, 0, 0]), ValueError, "freqs must have shape [s2, 1, 1, d2]"),
-    ("freqs [s2,b,1,d2]", lambda a: a.update(freqs=a["freqs"].expand(8, 2, 1, 16)), ValueError,
-     "freqs must have shape"),
-    ("odd d2", lambda a: a.update(freqs=a["freqs"][..., :15]), ValueError, "must be even"),
-    ("d2 > d", lambda a: a.update(freqs=RotaryPositionEmbedding(32, device=DEVICE)(8)), ValueError,
-     "exceeds t's head dim"),
-    ("freqs too short", lambda a: a.update(freqs=a["freqs"][:3]), ValueError, "freqs has 3 positions"),
-    ("s * cp_size > s2", lambda a: a.update(cp_size=4, cp_rank=0), ValueError, "s * cp_size = 4 * 4"),
-    ("odd local length under cp", lambda a: a.update(t=a["t"][:3], cp_size=2), ValueError, "must be even"),
-    ("cp_rank >= cp_size", lambda a: a.update(cp_size=2, cp_rank=2), ValueError, "cp_rank must be in [0, cp_size=2)"),
-    ("cp_rank negative", lambda a: a.update(cp_rank=-1), ValueError, "cp_rank must be in"),
-    ("cp_size 0", lambda a: a.update(cp_size=0), ValueError, "cp_size must be >= 1"),
-    ("cp_size float", lambda a: a.update(cp_size=2.0), TypeError, "cp_size must be an int"),
-    ("interleaved not bool", lambda a: a.update(interleaved=1), TypeError, "interleaved must be a bool"),
-    ("cu_seqlens missing", lambda a: a.update(_thd_args()), ValueError, "cu_seqlens is required"),
-    ("cu_seqlens float", lambda a: a.update(_thd_args(cu_seqlens=_ints([0, 6], torch.float32))), TypeError,
-     "cu_seqlens must be int32 or int64"),
-    ("cu_seqlens 2-D", lambda a: a.update(_thd_args(cu_seqlens=_ints([[0, 6]]))), ValueError, "cu_seqlens must be 1-D"),
-    ("cu_seqlens one entry", lambda a: a.update(_thd_args(cu_seqlens=_ints([0]))), ValueError, "at least 2 entries"),
-    ("cu_seqlens with sbhd", lambda a: a.update(cu_seqlens=_ints([0, 4])), ValueError,
-     "only valid with tensor_format='thd'"),
-    ("start_positions length", lambda a: a.update(start_positions=_ints([0, 1, 2])), ValueError,
-     "start_positions must have 2 entries"),
-    ("start_positions float", lambda a: a.update(start_positions=_ints([0, 1], torch.float32)), TypeError,
-     "start_positions must be int32 or int64"),
-    ("start_positions list", lambda a: a.update(start_positions=[0, 1]), TypeError,
-     "start_positions must be a torch.Tensor"),
-    ("start_positions with cp", lambda a: a.update(start_positions=_ints([0, 1]), cp_size=2), ValueError,
-     "not supported with cp_size > 1"),
-    ("freqs on another device", lambda a: a.update(freqs=a["freqs"].to("meta")), TypeError, "freqs is on meta"),
-    ("cu_seqlens on another device", lambda a: a.update(_thd_args(cu_seqlens=_ints([0, 6]).to("meta"))), TypeError,
-     "cu_seqlens is on meta"),
-]
-
-
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("name,breaker,error,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_raises_named_error(name, breaker, error, message, fused):
-    args = _valid_args()
-    breaker(args)
-    with pytest.raises(error, match=re.escape(message)):
-        apply_rotary_pos_emb(fused=fused, **args)
-
-
-def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
-    monkeypatch.setattr(triton_rotary_kernel, "_interpreting", lambda: False)
-    t = torch.randn(4, 2, 3, 16)
-    with pytest.raises(TypeError, match="needs a CUDA tensor"):
-        apply_rotary_pos_emb(t, RotaryPositionEmbedding(16, device="cpu")(8))
-
-
-@pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
-def test_other_launch_configs(monkeypatch, tile, min_programs):
-    """Tiles from one channel row up to several tokens (within or across batch entries and
-    thd sequences), tails of the token grid, and tiles shrunk to give a big GPU enough
-    programs: all give the same result."""
-    if ON_GPU:
-        monkeypatch.setattr(triton_rotary_kernel, "TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "SEARCH_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "QKV_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "MIN_PROGRAMS_PER_SM", min_programs)
-    else:
-        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_MIN_PROGRAMS", min_programs)
-    torch.manual_seed(9)
-    for interleaved in (False, True):
-        freqs = RotaryPositionEmbedding(16, interleaved=interleaved, device=DEVICE)(7)
-        for batch in (3, 4):
-            t = torch.randn(7, batch, 5, 24, device=DEVICE)
-            _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs,
-                     interleaved=interleaved)
-        cu = torch.tensor([0, 2, 9, 13], dtype=torch.int32, device=DEVICE)
-        t = torch.randn(15, 5, 24, device=DEVICE)
-        _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs, interleaved=interleaved,
-                 tensor_format="thd", cu_seqlens=cu)
-    # Fused QKV: multi-head (key programs' kv heads cut down to a query tile's size) and
-    # grouped-query with a narrow v.
-    for kv_heads, split in ((5, [16, 16, 40]), (3, [48, 16, 8])):
-        qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE)
-        _compare_qkv(qkv, freqs, freqs * 0.5, split)
-
-
-def test_program_grid_orders_head_programs_next_to_each_other():
-    """One program per token block: the 2-D grid, no division in the kernel; several: one axis,
-    the head programs of a token block adjacent; more programs than a launch takes: ValueError."""
-    assert triton_rotary_kernel._program_grid(7, 1) == ((7, 1), False)
-    assert triton_rotary_kernel._program_grid(7, 3) == ((21, 1), True)
-    with pytest.raises(ValueError, match="^t needs 2147483648 programs; a launch takes at most"):
-        triton_rotary_kernel._program_grid(2**30, 2)
-    with pytest.raises(ValueError, match="^qkv needs"):
-        triton_rotary_kernel._program_grid(2**30, 2, "qkv")
-
-
-def test_repeated_calls_and_misaligned_views():
-    """Calls with the same metadata reuse one launch plan (on a GPU: the compiled kernel called
-    directly), and a view whose data starts off 16-byte alignment gets a kernel of its own:
-    every call matches the unfused formula, forward and backward, QKV included."""
-    torch.manual_seed(21)
-    shape, split = (8, 2, 3, 16), [32, 16, 16]
-    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
-    storage = torch.empty(8 * 2 * 3 * 64 + 1, device=DEVICE)
-    for offset in (0, 1, 0, 1, 1, 0):
-        storage.normal_()
-        t = storage[offset:offset + 8 * 2 * 3 * 16].view(shape)
-        _compare(apply_rotary_pos_emb, t, _non_overlapping_grad, "unfused", freqs=freqs)
-        qkv = storage[offset:offset + 8 * 2 * 3 * 64].view(8, 2, 3, 64)
-        _compare_qkv(qkv, freqs, freqs, split)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the interpreter launches through Triton's JIT only")
-def test_launches_after_the_first_use_the_compiled_kernels_launcher():
-    """After a plan's first launch, later calls go to the compiled kernel's C launcher directly
-    (the fast path), and their results equal the first call's; while a launch hook is
-    registered (as profilers do) they go through Triton's runner, which calls it."""
-    from triton import knobs
-    torch.manual_seed(23)
-    t = torch.randn(9, 2, 3, 32, device=DEVICE)
-    freqs = RotaryPositionEmbedding(32, device=DEVICE)(9)
-    first = set_rotary_kernel(t, freqs)
-    runners = [r for p in triton_rotary_kernel._PLANS.values() if p.launch is not None
-               and p.launch.fn is triton_rotary_kernel.rotary_kernel for r in p.launch.runners.values()]
-    assert runners, "no plan holds a launcher: every launch went through Triton's JIT"
-    assert all(r.direct for r in runners), "the direct launch did not engage"
-    assert torch.equal(set_rotary_kernel(t, freqs), first)
-    seen = []
-
-    def hook(metadata):
-        seen.append(metadata.get()["name"])
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
-        assert torch.equal(set_rotary_kernel(t, freqs), first)
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
-    assert seen == ["rotary_kernel"], seen
-    assert torch.equal(set_rotary_kernel(t, freqs), first)
-    assert len(seen) == 1
-
-
-# Compiles rotary_kernel for sm_90 (no GPU needed: Triton's own ptxas) in a fresh process, where
-# TRITON_INTERPRET is unset so that the kernel is a JIT function. Each argument is a tile (JSON
-# constexprs over DEFAULT_TILE, sizes and strides as for contiguous tensors); per tile it prints
-# one JSON line: the number of sin.approx in the PTX (PTX is one thread's code, so that is the
-# sin/cos each thread computes) and the global loads in the order of the SASS (Triton's
-# nvdisasm on the cubin).
-_COMPILE_TILES = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import triton_rotary_kernel as K
-DEFAULT_TILE = dict(BLOCK_T=1, BLOCK_H=1, BLOCK_HALF=64, BLOCK_PASS=0, INTERLEAVED=False,
-                    BACKWARD=False, IS_THD=False, SEQ_MAJOR=True, HAS_START=False,
-                    WIDE_INNER=False, ANGLES_FROM_POSITIONS=True, POSITIONS_FROM=0,
-                    SEARCH_LEVELS=0, FLAT_GRID=False)
-pointers = {"OUT": "*bf16", "X": "*bf16", "FREQS": "*fp32", "PAIR_AXIS": "*i32",
-            "POSITIONS": "*i64", "START_POSITIONS": "*i32", "CU_SEQLENS": "*i32"}
-nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-names = K.rotary_kernel.arg_names
-# As Triton specializes a contiguous call: aligned pointers, unit channel strides, the other
-# strides and the head and rotary dims multiples of 16.
-unit_strides = {n: 1 for n in names if n.startswith("stride") and n.endswith("_dim")}
-aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-           if n in pointers or n in ("rotary_dim", "head_dim")
-           or (n.startswith("stride") and n not in unit_strides)}
-for tile in sys.argv[1:]:
-    constexprs = {**DEFAULT_TILE, **unit_strides, **json.loads(tile)}
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "angle_scale" else "i32")
-                 for n in names}
-    kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=signature, constexprs=constexprs,
-                                      attrs=aligned),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
-    print(json.dumps({"sin": len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])),
-                      "loads": re.findall(r"\bLDG\.[\w.]+", sass)}))
-"""
-
-
-def _compile_tiles(*tiles):
-    """_COMPILE_TILES' result for each tile (dicts of constexprs)."""
-    import json
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_TILES, *map(json.dumps, tiles)],
-                         capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines()]
-
-
-def test_sin_cos_are_computed_once_per_program():
-    """The angles of a tile of several heads are worked out once across the program's threads
-    (`_tile_angles`' one-trip loops keep Triton from recomputing them in the tile's layout):
-    for 1 token x 16 heads x 64 pairs at 4 warps (128 threads, 64 angles), at most one sin per
-    thread. A one-head tile of 16 tokens x 64 pairs has 1024 angles, 8 per thread, and the
-    count says so (what the count measures)."""
-    heads_tile, tokens_tile = _compile_tiles(dict(BLOCK_T=1, BLOCK_H=16), dict(BLOCK_T=16, BLOCK_H=1))
-    assert tokens_tile["sin"] == 8, tokens_tile
-    assert heads_tile["sin"] == 1, heads_tile
-
-
-def test_thd_tile_loads_are_issued_before_the_sequence_search():
-    """A thd tile's own loads (16-byte vectors of bf16) come first in the SASS, ahead of the
-    search of cu_seqlens for its tokens' sequences (loads evict_last), for angles from
-    positions and from a table. Without the barrier after them, ptxas puts them after the
-    whole chain of the search."""
-    thd = dict(BLOCK_T=4, BLOCK_H=8, BLOCK_HALF=32, IS_THD=True, SEARCH_LEVELS=6)
-    for tile in _compile_tiles(thd, dict(thd, ANGLES_FROM_POSITIONS=False)):
-        assert tile["loads"][:3] == ["LDG.E.128", "LDG.E.128", "LDG.E.EL"], tile["loads"]
-
-
-def test_result_does_not_depend_on_batch():
-    """A token's output is bit-identical whether it is rotated alone or inside a large batch,
-    although the two calls get different tiles and grids."""
-    torch.manual_seed(22)
-    t = torch.randn(64, 16, 8, 64, dtype=torch.bfloat16, device=DEVICE)
-    freqs = RotaryPositionEmbedding(64, device=DEVICE)(64)
-    for backward in (False, True):
-        whole = set_rotary_kernel(t, freqs, backward=backward)
-        for row in (0, 5, 63):
-            alone = set_rotary_kernel(t[row:row + 1, 3:4].clone(), freqs[row:], backward=backward)
-            assert torch.equal(whole[row:row + 1, 3:4], alone), (backward, row)
-
-
-def _compiled_variants():
-    return sum(len(cache[0]) for cache in triton_rotary_kernel.rotary_kernel.device_caches.values())
-
-
-def test_torch_compile_fullgraph():
-    """No graph break (fullgraph=True), same values forward and backward, and no new Triton
-    compilation when only the sequence length changes."""
-    torch.manual_seed(10)
-    freqs = RotaryPositionEmbedding(32, device=DEVICE)(64)
-
-    def step(x, f):
-        return (apply_rotary_pos_emb(x, f) * 2).sum(dim=-1)
-
-    compiled = torch.compile(step, fullgraph=True, dynamic=True)
-    variants = []
-    for seq_len in (32, 48, 64):
-        t = torch.randn(seq_len, 2, 3, 32, device=DEVICE)
-        x1, x2 = t.clone().requires_grad_(True), t.clone().requires_grad_(True)
-        out, ref = compiled(x1, freqs), step(x2, freqs)
-        torch.testing.assert_close(out, ref)
-        grad = torch.randn_like(out)
-        torch.testing.assert_close(torch.autograd.grad(out, x1, grad)[0], torch.autograd.grad(ref, x2, grad)[0])
-        if ON_GPU:
-            variants.append(_compiled_variants())
-    if ON_GPU:
-        assert variants[0] == variants[1] == variants[2], variants
-
-
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
-def test_cuda_graph_capture_and_replay():
-    torch.manual_seed(11)
-    freqs = RotaryPositionEmbedding(64, device=DEVICE)(40)
-    cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32, device=DEVICE)
-    cases = [dict(tensor_format="sbhd", shape=(33, 2, 4, 64)),
-             dict(tensor_format="thd", shape=(32, 4, 64), cu_seqlens=cu),
-             dict(tensor_format="bshd", shape=(2, 33, 4, 64),
-                  start_positions=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE))]
-    for case in cases:
-        case = dict(case)
-        shape = case.pop("shape")
-        x = torch.randn(shape, device=DEVICE, requires_grad=True)
-        grad = torch.randn(shape, device=DEVICE)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                       # warm-up (compiles) off the graph
-            torch.autograd.grad(apply_rotary_pos_emb(x, freqs, **case), x, grad)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = apply_rotary_pos_emb(x, freqs, **case)
-            (gx,) = torch.autograd.grad(out, x, grad)
-        for _ in range(2):
-            with torch.no_grad():
-                x.copy_(torch.randn(shape, device=DEVICE))
-                grad.copy_(torch.randn(shape, device=DEVICE))
-            graph.replay()
-            x_eager = x.detach().clone().requires_grad_(True)
-            out_eager = apply_rotary_pos_emb(x_eager, freqs, **case)
-            assert torch.equal(out, out_eager)
-            assert torch.equal(gx, torch.autograd.grad(out_eager, x_eager, grad)[0])
-
-
-# Odd shapes `make sanitize` runs under compute-sanitizer (they also run in `make test`).
-SANITIZE_CASES = [
-    dict(shape=(13, 3, 5, 72)), dict(shape=(13, 3, 5, 80), rotary_dim=40, margin=7),
-    dict(shape=(9, 2, 7, 96), rotary_dim=72, interleaved=True), dict(shape=(5, 2, 3, 128), rotary_dim=6),
-    dict(shape=(3, 11, 5, 96), tensor_format="bshd", transpose=(0, 1)),
-    dict(shape=(11, 3, 5, 80), transpose=(2, 3), interleaved=True),
-    dict(shape=(10, 2, 4, 72), cp_size=2, cp_rank=1, rotary_dim=64),
-    dict(shape=(9, 2, 3, 96), start_positions=[4, 11], margin=16),
-    dict(shape=(57, 5, 80), tensor_format="thd", cu_seqlens=[0, 1, 1, 17, 40, 52], rotary_dim=40),
-    dict(shape=(24, 3, 72), tensor_format="thd", cu_seqlens=[0, 12, 16, 40], cp_size=2, cp_rank=1, interleaved=True),
-]
-
-
-@pytest.mark.sanitize
-@pytest.mark.parametrize("case", SANITIZE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_sanitize_cases(case):
-    torch.manual_seed(14)
-    case = dict(case)
-    shape, transpose = case.pop("shape"), case.pop("transpose", None)
-    rotary_dim, margin = case.pop("rotary_dim", shape[-1]), case.pop("margin", 0)
-    for key in ("cu_seqlens", "start_positions"):
-        if key in case:
-            case[key] = torch.tensor(case[key], dtype=torch.int32, device=DEVICE)
-    t = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
-    if transpose:
-        t = t.transpose(*transpose).contiguous().transpose(*transpose)
-    fmt = case.get("tensor_format", "sbhd")
-    seq = shape[0] if fmt != "bshd" else shape[1]
-    freqs = RotaryPositionEmbedding(rotary_dim, interleaved=case.get("interleaved", False),
-                                    device=DEVICE)(seq * case.get("cp_size", 1) + margin)
-    _compare(apply_rotary_pos_emb, t, _overlapping_grad, "unfused", freqs=freqs, **case)
-
-
-# --- Hardening: defects a hostile caller finds, and a fuzzer ---------------------------------
-# Each test below is of an input a hostile caller passes; the references are
-# the unfused PyTorch formula (fused=False, in float64 where it says so), plain torch ops or
-# hand-computed values, never the kernel itself.
-
-def _both_angle_kinds(d2, rows, interleaved=False):
-    """The same rotation as a table [rows, 1, 1, d2] and as the module that built it."""
-    module = RotaryPositionEmbedding(d2, interleaved=interleaved, device=DEVICE)
-    return {"table": module(rows), "module": module}
-
-
-def _fused_and_unfused(t, freqs, grad=None, **kwargs):
-    """(out, dt) of the kernel and of the unfused formula, for the same input and gradient."""
-    results = []
-    for fused in (True, False):
-        x = t.detach().clone().requires_grad_(True)
-        out = apply_rotary_pos_emb(x, freqs, fused=fused, **kwargs)
-        (dx,) = torch.autograd.grad(out, x, torch.ones_like(out) if grad is None else grad)
-        results.append((out.detach(), dx))
-    return results
-
-
-_ZERO_SIZE_CASES = [
-    ("sbhd s=0", (0, 2, 3, 12), dict()),
-    ("sbhd b=0", (4, 0, 3, 12), dict()),
-    ("sbhd h=0", (4, 2, 0, 12), dict()),
-    ("bshd s=0", (2, 0, 3, 12), dict(tensor_format="bshd")),
-    ("bshd b=0", (0, 4, 3, 12), dict(tensor_format="bshd")),
-    ("sbhd s=0 cp", (0, 2, 3, 12), dict(cp_size=2, cp_rank=1)),
-    ("sbhd s=0 start", (0, 2, 3, 12), dict(start_positions=[1, 2])),
-    ("thd 0 tokens", (0, 3, 12), dict(tensor_format="thd", cu_seqlens=[0, 0])),
-    ("thd 0 tokens, 3 sequences", (0, 3, 12), dict(tensor_format="thd", cu_seqlens=[0, 0, 0, 0])),
-    ("thd h=0", (5, 0, 12), dict(tensor_format="thd", cu_seqlens=[0, 2, 5])),
-    ("thd positions 0 tokens", (0, 3, 12), dict(tensor_format="thd", positions=[])),
-]
-
-
-@pytest.mark.parametrize("angles", ["table", "module"])
-@pytest.mark.parametrize("name,shape,case", _ZERO_SIZE_CASES, ids=[c[0] for c in _ZERO_SIZE_CASES])
-def test_zero_size_inputs(name, shape, case, angles):
-    """Empty inputs give empty results and gradients of the input's shape, like fused=False
-    (no launch with a 0-sized grid, no division by the 0 tokens)."""
-    case = dict(case)
-    for key in ("cu_seqlens", "start_positions", "positions"):
-        if key in case:
-            case[key] = _ints(case[key], torch.int64)
-    freqs = _both_angle_kinds(8, 8)[angles]
-    t = torch.randn(shape, device=DEVICE)
-    (out, dt), (ref_out, ref_dt) = _fused_and_unfused(t, freqs, **case)
-    assert out.shape == dt.shape == ref_out.shape == t.shape and out.dtype == t.dtype
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(dt, ref_dt)
-    # The launcher with a preallocated (empty) out, forward and backward.
-    for backward in (False, True):
-        out = torch.empty_like(t)
-        assert set_rotary_kernel(t, freqs, backward=backward, out=out, **case) is out
-
-
-@pytest.mark.parametrize("angles", ["table", "module"])
-@pytest.mark.parametrize("qkv_shape", [(0, 2, 2, 32), (3, 0, 2, 32), (3, 2, 0, 32)],
-                         ids=["s=0", "b=0", "0 kv heads"])
-def test_zero_size_fused_qkv_and_inplace(qkv_shape, angles):
-    """Fused QKV with no tokens or no kv heads: q, k, v and the packed gradient empty, of the
-    right shapes (fused=False itself fails on s=0 or b=0: test_unfused_qkv_without_tokens)."""
-    freqs = _both_angle_kinds(8, 8)[angles]
-    split = [16, 8, 8]
-    s, b, kv = qkv_shape[:3]
-    qkv = torch.randn(qkv_shape, device=DEVICE, requires_grad=True)
-    outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split)
-    assert [tuple(o.shape) for o in outs] == [(s, b, 2 * kv, 8), (s, b, kv, 8), (s, b, kv, 8)]
-    assert all(o.dtype == qkv.dtype and o.is_contiguous() for o in outs)
-    (dqkv,) = torch.autograd.grad(outs, qkv, [torch.ones_like(o) for o in outs])
-    assert dqkv.shape == qkv_shape
-    if s * b:       # 0 kv heads: the unfused formula runs, and agrees
-        refs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, fused=False)
-        for out, ref in zip(outs, refs):
-            torch.testing.assert_close(out, ref)
-    # The backward launcher alone, from empty gradients.
-    assert triton_rotary_kernel.set_rotary_qkv_kernel(
-        qkv.detach(), freqs, freqs, split, grads=tuple(torch.zeros_like(o) for o in outs)).shape == qkv_shape
-    # In place on an empty tensor: nothing to do, t comes back.
-    t = torch.randn(s, b, kv, 8, device=DEVICE)
-    with torch.no_grad():
-        assert apply_rotary_pos_emb_inplace(t, freqs) is t
-
-
-def test_unfused_qkv_without_tokens():
-    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
-    q, k, v = apply_fused_qkv_rotary_pos_emb(torch.randn(0, 2, 2, 32, device=DEVICE), freqs, freqs,
-                                             [16, 8, 8], fused=False)
-    assert q.shape == (0, 2, 4, 8) and k.shape == v.shape == (0, 2, 2, 8)
-
-
-@pytest.mark.sanitize
-def test_freqs_without_rows_give_nan():
-    """A table with 0 rows places no token: NaN in the rotated channels, the rest copied (the
-    old kernel clamped the row to freqs_len - 1 = -1 and read before the table; on a GPU
-    `make sanitize` runs this under compute-sanitizer, which reports such a read)."""
-    torch.manual_seed(31)
-    empty = torch.empty(0, 1, 1, 8, device=DEVICE)
-    cases = [  # (t, kwargs, tokens inside a sequence)
-        (torch.randn(7, 2, 12, device=DEVICE), dict(tensor_format="thd", cu_seqlens=_ints([0, 3, 5])),
-         torch.arange(7, device=DEVICE) < 5),
-        (torch.randn(3, 2, 2, 12, device=DEVICE), dict(positions=_ints([0, 1, 2])), None),
-        (torch.randn(2, 3, 2, 12, device=DEVICE), dict(tensor_format="bshd", positions=_ints([[0, 1, 2], [2, 1, 0]])),
-         None),
-        (torch.randn(4, 2, 12, device=DEVICE), dict(tensor_format="thd", positions=_ints([0, 5, -1, 2])), None),
-    ]
-    for t, kwargs, inside in cases:
-        x = t.clone().requires_grad_(True)
-        out = apply_rotary_pos_emb(x, empty, **kwargs)
-        grad = torch.randn_like(t)
-        (dx,) = torch.autograd.grad(out, x, grad)
-        inside = torch.ones(t.shape[:-2], dtype=torch.bool, device=DEVICE) if inside is None else inside
-        assert out[inside][..., :8].isnan().all() and dx[inside][..., :8].isnan().all()
-        assert torch.equal(out[..., 8:], t[..., 8:]) and torch.equal(dx[..., 8:], grad[..., 8:])
-        # Tokens outside every thd sequence pass through, forward and backward.
-        assert torch.equal(out[~inside], t[~inside]) and torch.equal(dx[~inside], grad[~inside])
-        ref = apply_rotary_pos_emb(t, empty, fused=False, **kwargs)
-        assert torch.equal(out.isnan(), ref.isnan())
-    # Fused QKV with positions: q and k rotated channels NaN, v copied.
-    qkv = torch.randn(3, 2, 2, 32, device=DEVICE)
-    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, empty, empty, [16, 8, 8], positions=_ints([0, 1, 2]))
-    assert q[..., :8].isnan().all() and k[..., :8].isnan().all()
-    assert torch.equal(v, qkv[..., 24:])
-
-
-def test_negative_bit_inputs():
-    """The kernel reads raw memory, so a tensor with the negative bit (a lazily negated view)
-    must be resolved first, or the kernel reads the un-negated values. Each result must equal
-    the same call on the resolved tensor, bit for bit."""
-    torch.manual_seed(32)
-    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
-    base = torch.randn(4, 2, 3, 12, device=DEVICE)
-    z = torch.complex(torch.randn_like(base), base)
-    for view in (torch._neg_view(base), z.conj().imag):
-        assert view.is_neg()
-        resolved = view.resolve_neg()
-        assert torch.equal(apply_rotary_pos_emb(view, freqs), apply_rotary_pos_emb(resolved, freqs))
-        torch.testing.assert_close(apply_rotary_pos_emb(view, freqs), _reference(resolved, freqs=freqs))
-    # A negative-bit table, start positions and gradient.
-    table = torch._neg_view(-freqs)
-    starts = torch._neg_view(_ints([0, -1]))
-    assert table.is_neg() and starts.is_neg()
-    torch.testing.assert_close(apply_rotary_pos_emb(base, table, start_positions=starts[:2]),
-                               apply_rotary_pos_emb(base, freqs, start_positions=_ints([0, 1])))
-    grad = torch.randn_like(base)
-    x = base.clone().requires_grad_(True)
-    out = apply_rotary_pos_emb(x, freqs)
-    (with_neg,) = torch.autograd.grad(out, x, torch._neg_view(-grad), retain_graph=True)
-    (plain,) = torch.autograd.grad(out, x, grad)
-    assert torch.equal(with_neg, plain)
-    # Fused QKV: packed input and each incoming gradient with the negative bit.
-    packed = torch.randn(4, 2, 2, 32, device=DEVICE)
-    outs = apply_fused_qkv_rotary_pos_emb(torch._neg_view(packed), freqs, freqs * 0.5, [16, 8, 8])
-    for out, ref in zip(outs, apply_fused_qkv_rotary_pos_emb(-packed, freqs, freqs * 0.5, [16, 8, 8])):
-        assert torch.equal(out, ref)
-    x = packed.clone().requires_grad_(True)
-    outs = apply_fused_qkv_rotary_pos_emb(x, freqs, freqs * 0.5, [16, 8, 8])
-    grads = [torch.randn_like(o) for o in outs]
-    (with_neg,) = torch.autograd.grad(outs, x, [torch._neg_view(-g) for g in grads], retain_graph=True)
-    assert torch.equal(with_neg, torch.autograd.grad(outs, x, grads)[0])
-    # In place cannot resolve the bit without a copy: refused, naming t; out= likewise.
-    with pytest.raises(ValueError, match=r"needs t without a negative"):
-        apply_rotary_pos_emb_inplace(torch._neg_view(base.clone()), freqs)
-    with pytest.raises(ValueError, match=r"out must not have the negative bit"):
-        set_rotary_kernel(base, freqs, out=torch._neg_view(torch.empty_like(base)))
-
-
-@pytest.mark.parametrize("path", ["table", "module", "qkv-table", "qkv-module"])
-def test_double_backward_gradgradcheck(path):
-    """The backward is itself differentiable (a bare launch in the backward would make
-    create_graph=True silently give a gradient without a graph). float64, tiny shapes: every
-    check runs the kernel through the interpreter."""
-    torch.manual_seed(33)
-    # Arbitrary table angles (pair members differ) check the transpose, not only a rotation.
-    table = torch.randn(4, 1, 1, 8, device=DEVICE) * 3
-    freqs = table if path.endswith("table") else RotaryPositionEmbedding(8, device=DEVICE)
-    if path.startswith("qkv"):
-        x = torch.randn(3, 1, 1, 30, dtype=torch.float64, device=DEVICE, requires_grad=True)
-        k_freqs = (table.flip(0) if path.endswith("table")
-                   else RotaryPositionEmbedding(8, rotary_base=50.0, device=DEVICE))
-        fn = lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, k_freqs, [10, 10, 10])  # noqa: E731
-    else:
-        x = torch.randn(3, 1, 2, 10, dtype=torch.float64, device=DEVICE, requires_grad=True)
-        fn = lambda x: apply_rotary_pos_emb(x, freqs, start_positions=_ints([1]))  # noqa: E731
-    assert torch.autograd.gradgradcheck(fn, (x,), fast_mode=True)
-
-
-def test_gradient_penalty():
-    """d/dw of ||dL/dx||^2 (a gradient penalty) through the kernel's double backward equals the
-    unfused formula's, and, for a linear loss, the hand-computed 2 * w * ||c||^2."""
-    torch.manual_seed(34)
-    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
-    t = torch.randn(6, 2, 3, 12, dtype=torch.float64, device=DEVICE)
-    c = torch.randn_like(t)
-    w0 = torch.randn(12, dtype=torch.float64, device=DEVICE)
-    results = []
-    for fused in (True, False):
-        w = w0.clone().requires_grad_(True)
-        x = t.clone().requires_grad_(True)
-        y = apply_rotary_pos_emb(x * w, freqs, fused=fused)
-        loss = (y * y * c).sum()                      # not linear: the penalty depends on y
-        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
-        (dw,) = torch.autograd.grad(gx.pow(2).sum(), w)
-        results.append(dw)
-    # The kernel's float64 sin/cos against the unfused formula's float32 ones.
-    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-6)
-    # Linear loss <rope(w * x), c>: dL/dx = w * R^T c and R is a rotation (f1 == f2 here), so
-    # ||dL/dx||^2 = w^2 ||c||^2 and its derivative is 2 * w * ||c||^2.
-    w = torch.tensor(0.75, dtype=torch.float64, device=DEVICE, requires_grad=True)
-    x = t.clone().requires_grad_(True)
-    (gx,) = torch.autograd.grad((apply_rotary_pos_emb(x * w, freqs) * c).sum(), x, create_graph=True)
-    (dw,) = torch.autograd.grad(gx.pow(2).sum(), w)
-    torch.testing.assert_close(dw, 2 * 0.75 * c.pow(2).sum())
-
-
-def _rope_with_saved_argument(what):
-    """(loss of one forward, the argument tensor it keeps for the backward) for each kind of
-    tensor argument the backward reads."""
-    s, b, h, d = 6, 2, 2, 16
-    emb = RotaryPositionEmbedding(d, device=DEVICE)
-    t = torch.randn(s, b, h, d, device=DEVICE, requires_grad=True)
-    if what == "freqs":
-        freqs = emb(s)
-        return apply_rotary_pos_emb(t, freqs).sum(), freqs
-    if what == "module inv_freq":
-        return apply_rotary_pos_emb(t, emb, positions=torch.arange(s, device=DEVICE)).sum(), emb.inv_freq
-    if what == "start_positions":
-        start = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
-        return apply_rotary_pos_emb(t, emb(s + 4), start_positions=start).sum(), start
-    if what == "cu_seqlens":
-        cu = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
-        x = torch.randn(12, h, d, device=DEVICE, requires_grad=True)
-        return apply_rotary_pos_emb(x, emb(12), "thd", cu_seqlens=cu).sum(), cu
-    if what == "positions":
-        pos = torch.arange(s, device=DEVICE)
-        return apply_rotary_pos_emb(t, emb(2 * s), positions=pos).sum(), pos
-    qkv = torch.randn(s, b, 2, 4 * d, device=DEVICE, requires_grad=True)
-    freqs = emb(s)
-    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [2 * d, d, d])
-    return q.sum() + k.sum() + v.sum(), freqs
-
-
-@pytest.mark.parametrize("what", ["freqs", "module inv_freq", "start_positions", "cu_seqlens",
-                                  "positions", "fused qkv freqs"])
-def test_arguments_modified_before_backward_raise(what):
-    """The tensors the backward reads besides the gradient (freqs or the module's inv_freq,
-    start_positions, cu_seqlens, positions) are saved for it: changed in place between forward
-    and backward, the backward raises PyTorch's in-place error, as TE's does, instead of
-    returning the gradient of other angles or positions. Unchanged, the backward runs."""
-    loss, _ = _rope_with_saved_argument(what)
-    loss.backward()
-    loss, argument = _rope_with_saved_argument(what)
-    with torch.no_grad():
-        argument.add_(1)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
+def test_mrope_matches_transformers(interleaved):
+    """transformers 5 applies M-RoPE with the models' `apply_rotary_pos_emb` (q, k [b, h, s, d],
+    cos/sin [b, s, d] recomposed per axis by the rotary module); ours takes the same tensors as
+    bshd views and the [3, b, s] position ids."""
+    tf = _transformers()
+    _quiet_transformers(tf)
+    import importlib
+    model = "qwen3_vl" if interleaved else "qwen2_vl"
+    hf_apply = importlib.import_module(f"transformers.models.{model}.modeling_{model}").apply_rotary_pos_emb
+    text, _, _ = _mrope_configs(tf, interleaved)
+    hf_rope = _hf_mrope_module(tf, text, interleaved)
+    emb = RotaryPositionEmbedding.from_hf_config(text, device=DEVICE)
+    torch.manual_seed(45)
+    b, s, heads, kv_heads, d = 2, 10, 2, 1, 32
+    pos = torch.randint(0, 4096, (3, b, s))
+    q, k = torch.randn(b, heads, s, d), torch.randn(b, kv_heads, s, d)
+    cos, sin = hf_rope(q, pos)
+    hf_q, hf_k = hf_apply(q, k, cos, sin)
+    pair_pos = pair_positions(pos, d // 2, mrope_axis_rule(text.rope_parameters["mrope_section"], interleaved))
+    for x, hf_out in ((q, hf_q), (k, hf_k)):
+        ours = apply_rotary_pos_emb(x.transpose(1, 2).to(DEVICE), emb, "bshd", positions=pos.to(DEVICE))
+        ours = ours.transpose(1, 2).cpu()
+        # transformers rounds position * inv_freq to float32 (up to 2^-13 rad below 4096, so up to
+        # ~6e-4 on these values); a wrong axis or pair layout would be off by O(1)
+        torch.testing.assert_close(ours, hf_out, rtol=0, atol=1e-3)
+        ref = rotate64(x.transpose(1, 2), pair_pos, emb.inv_freq, False).transpose(1, 2)
+        assert rel_error(ours, ref) < EXACT_REL_TOL
+        assert rel_error(ours, ref) < rel_error(hf_out, ref)
+
+
+# =================================================================================================
+# == 4. Angles from positions
+#    Exactness against float64, the sin/cos bound, the single-rounding fma, positions and
+#    M-RoPE. The references are written from the definition in float64 (rotate64), never through
+#    fused=False, which shares the launcher's position logic.
+# =================================================================================================
 
 
 def test_positions_past_int32():
@@ -1509,24 +849,25 @@ def test_positions_past_int32():
     t = torch.randn(8, 2, 2, 12, dtype=torch.float64, device=DEVICE)
     short = torch.randn(2, 2, 2, 12, dtype=torch.float64, device=DEVICE)
     thd = torch.randn(8, 2, 12, dtype=torch.float64, device=DEVICE)
-    i64 = functools.partial(_ints, dtype=torch.int64)
+    i64 = functools.partial(int_tensor, dtype=torch.int64)
     cp = 2**28                                     # s * cp_size = 2^31 rows needed
     cases = [
         # int32 start positions whose sum with the token index passes 2^31 - 1.
-        (t, dict(start_positions=_ints([2**31 - 3, 5]))),
+        (t, dict(start_positions=int_tensor([2**31 - 3, 5]))),
         (t, dict(start_positions=i64([2**31 + 1, 2**31 - 8]))),
         # Rank 0 holds the last chunk: position 2 * cp_size - 1 = 2^31 + 7.
         (short, dict(cp_size=2**30 + 4, cp_rank=0)),
         (short, dict(cp_size=2**30 + 4, cp_rank=1)),
         (t, dict(cp_size=cp, cp_rank=cp - 1)),
         (t, dict(positions=i64([2**31 + 5, 2**31 + 9, 7, 2**31 - 1, 0, 1, 2**31, 3]))),
-        (thd, dict(tensor_format="thd", cu_seqlens=_ints([0, 3, 8]), start_positions=_ints([2**31 - 4, 2**31 - 2]))),
+        (thd, dict(tensor_format="thd", cu_seqlens=int_tensor([0, 3, 8]),
+                   start_positions=int_tensor([2**31 - 4, 2**31 - 2]))),
         # The thd search compares cu_seqlens with (token + 1) * cp_size = 2^31 here.
         (thd, dict(tensor_format="thd", cu_seqlens=i64([0, 8 * cp]), cp_size=cp, cp_rank=cp - 1)),
-        (thd, dict(tensor_format="thd", cu_seqlens=_ints([0, 2**31 - 1]), cp_size=cp, cp_rank=3)),
+        (thd, dict(tensor_format="thd", cu_seqlens=int_tensor([0, 2**31 - 1]), cp_size=cp, cp_rank=3)),
     ]
     for x, kwargs in cases:
-        (out, dx), (ref, ref_dx) = _fused_and_unfused(x, table, grad=torch.randn_like(x), **kwargs)
+        (out, dx), (ref, ref_dx) = fused_and_unfused(x, table, grad=torch.randn_like(x), **kwargs)
         assert out.isfinite().all(), kwargs
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(dx, ref_dx, atol=1e-6, rtol=1e-6)
@@ -1534,7 +875,7 @@ def test_positions_past_int32():
         # of an ordinary table; thd tokens past cu_seqlens[-1] // cp_size pass through.
         single = apply_rotary_pos_emb(x, row.expand(x.shape[0], 1, 1, d2), fused=False,
                                       tensor_format=kwargs.get("tensor_format", "sbhd"),
-                                      cu_seqlens=_ints([0, x.shape[0]]) if x is thd else None)
+                                      cu_seqlens=int_tensor([0, x.shape[0]]) if x is thd else None)
         if x is thd:
             end = int(kwargs["cu_seqlens"][-1]) // kwargs.get("cp_size", 1)
             outside = torch.arange(x.shape[0], device=DEVICE) >= end
@@ -1542,708 +883,11 @@ def test_positions_past_int32():
         torch.testing.assert_close(out, single, atol=1e-6, rtol=1e-6)
 
 
-_QKV_BAD = [  # (how to break the valid call, error, text naming the argument)
-    (lambda a: a.update(qkv=a["qkv"].int()), TypeError, "qkv must be float32"),
-    (lambda a: a.update(qkv=[1.0]), TypeError, "qkv must be a torch.Tensor"),
-    (lambda a: a.update(qkv=a["qkv"][0]), ValueError, "qkv must be 4-D"),
-    (lambda a: a.update(q_freqs=1.0), TypeError, "q_freqs must be a torch.Tensor"),
-    (lambda a: a.update(k_freqs=a["k_freqs"].int()), TypeError, "k_freqs must be a floating-point"),
-    (lambda a: a.update(q_freqs=a["q_freqs"][:, 0]), ValueError, "q_freqs must have shape [s2, 1, 1, d2]"),
-    (lambda a: a.update(k_freqs=a["k_freqs"][:3]), ValueError, "k_freqs has 3 positions"),
-    (lambda a: a.update(k_freqs=a["k_freqs"][..., :7]), ValueError, "k_freqs' last dimension"),
-    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(16, device=DEVICE)(8)), ValueError,
-     "q_freqs' rotary dim d2=16 exceeds qkv's head dim"),
-    (lambda a: a.update(k_freqs=a["k_freqs"].to("meta")), TypeError, "k_freqs is on meta but qkv is on"),
-    (lambda a: a.update(start_positions=_ints([0, 1]).to("meta")), TypeError, "start_positions is on meta but qkv"),
-    (lambda a: a.update(positions=_ints([0, 1, 2, 3]).to("meta")), TypeError, "positions is on meta but qkv"),
-    (lambda a: a.update(positions=_ints([0, 1, 2])), ValueError, "positions must have shape"),
-    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(8, device=DEVICE)), TypeError,
-     "q_freqs and k_freqs must be of one kind"),
-]
-
-
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("breaker,error,message", _QKV_BAD, ids=[m for _, _, m in _QKV_BAD])
-def test_qkv_errors_name_qkv_arguments(breaker, error, message, fused):
-    """Errors of apply_fused_qkv_rotary_pos_emb name its own arguments, not the 't' and
-    'freqs' of the shared checks, which the caller never passed."""
-    args = dict(qkv=torch.randn(4, 2, 2, 32, device=DEVICE), q_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8),
-                k_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8) * 0.5, qkv_split_arg_list=[16, 8, 8])
-    breaker(args)
-    with pytest.raises(error, match=re.escape(message)) as info:
-        apply_fused_qkv_rotary_pos_emb(fused=fused, **args)
-    assert not re.search(r"(?<![\w'])t(?![\w'])|\bfreqs\b", str(info.value)), str(info.value)
-
-
-def test_qkv_error_without_interpreter_names_qkv(monkeypatch):
-    monkeypatch.setattr(triton_rotary_kernel, "_interpreting", lambda: False)
-    freqs = RotaryPositionEmbedding(8, device="cpu")(8)
-    with pytest.raises(TypeError, match=r"^qkv is on cpu: the Triton kernel needs a CUDA tensor"):
-        apply_fused_qkv_rotary_pos_emb(torch.randn(4, 2, 2, 32), freqs, freqs, [16, 8, 8])
-
-
-def test_plan_cache_keeps_validation():
-    """A cached launch plan must not let through what the checks reject: 16.0 == 16, True == 1
-    and 1 == True hash alike, so a key of values without types would match the valid call's."""
-    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
-    qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
-    apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [16, 8, 8])            # plans the valid call
-    for bad in ([16.0, 8.0, 8.0], [16, 8, True], [16, 8.0, 8], (16, 8, True)):
-        with pytest.raises(ValueError, match="qkv_split_arg_list must be three positive ints"):
-            apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, bad)
-    # interleaved and cp arguments, through the launchers (the public entry points check
-    # interleaved before any plan, so only the launchers show what the plan cache does).
-    t = torch.randn(4, 2, 3, 8, device=DEVICE)
-    set_rotary_kernel(t, freqs, interleaved=True)
-    set_rotary_kernel(t, freqs, cp_size=1, cp_rank=0)
-    triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], interleaved=True)
-    for kwargs, match in ((dict(interleaved=1), "interleaved must be a bool"),
-                          (dict(cp_size=True), "cp_size must be an int"),
-                          (dict(cp_size=1.0), "cp_size must be an int"),
-                          (dict(cp_rank=False), "cp_rank must be an int"),
-                          (dict(cp_rank=0.0), "cp_rank must be an int")):
-        with pytest.raises(TypeError, match=match):
-            set_rotary_kernel(t, freqs, **kwargs)
-        with pytest.raises(TypeError, match=match):
-            triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], **kwargs)
-        with pytest.raises(TypeError, match=match):
-            apply_rotary_pos_emb(t, freqs, **kwargs)
-
-
-def test_launch_rule_changes_make_new_plans(monkeypatch):
-    """test_other_launch_configs changes the launch-rule constants and expects new tiles: the
-    plan key must include them. Count launch_config calls: every constant change plans anew
-    (and a repeated call does not), and the new tile shapes still give the right result."""
-    monkeypatch.setattr(triton_rotary_kernel, "_PLANS", {})          # no plans from other tests
-    calls = []
-    original = triton_rotary_kernel.launch_config
-
-    def counting(*args, **kwargs):
-        grid, meta = original(*args, **kwargs)
-        calls.append((grid, dict(meta)))
-        return grid, meta
-
-    monkeypatch.setattr(triton_rotary_kernel, "launch_config", counting)
-    freqs = RotaryPositionEmbedding(16, device=DEVICE)(4)
-    t = torch.randn(4, 2, 2, 24, device=DEVICE)
-    expected = apply_rotary_pos_emb(t, freqs, fused=False)
-
-    def call():
-        torch.testing.assert_close(apply_rotary_pos_emb(t, freqs), expected)
-
-    call()
-    call()
-    assert len(calls) == 1
-    changes = ([("INTERPRETER_TILE_BYTES", 512), ("INTERPRETER_TILE_BYTES", 256),
-                ("INTERPRETER_MIN_PROGRAMS", 1000)] if not ON_GPU else
-               [("TILE_BYTES", 128), ("TILE_BYTES", 64), ("MIN_PROGRAMS_PER_SM", 1000)])
-    changes += [("SEARCH_TILE_BYTES", 512), ("QKV_TILE_BYTES", 512)]
-    changes += [("NUM_WARPS", 1), ("TILE_BYTES" if not ON_GPU else "INTERPRETER_TILE_BYTES", 64),
-                ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7)]
-    for number, (name, value) in enumerate(changes, start=2):
-        monkeypatch.setattr(triton_rotary_kernel, name, value)
-        call()
-        call()
-        assert len(calls) == number, (name, value)
-    if not ON_GPU:
-        # The interpreter's constants changed the tiles themselves, not only the key (on a GPU
-        # a shape this small is shrunk to one-token tiles by the SM count already).
-        first_tiles = {(c[0], c[1]["BLOCK_T"], c[1]["BLOCK_H"]) for c in calls[:4]}
-        assert len(first_tiles) == 4, calls[:4]
-
-
-def test_torch_compile_fused_qkv_and_inplace():
-    """fullgraph=True (no graph break) through the fused-QKV op, forward and backward, and
-    through the in-place op under no_grad; the same values as eager."""
-    torch.manual_seed(36)
-    q_freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
-    k_freqs = q_freqs * 0.5
-
-    def step(x):
-        q, k, v = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [16, 8, 8])
-        return (q * 2).sum(dim=-1), k - 1, v * 3
-
-    compiled = torch.compile(step, fullgraph=True)
-    qkv = torch.randn(6, 2, 2, 32, device=DEVICE)
-    x1, x2 = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
-    outs, refs = compiled(x1), step(x2)
-    grads = [torch.randn_like(o) for o in refs]
-    for out, ref in zip(outs, refs):
-        torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(torch.autograd.grad(outs, x1, grads)[0], torch.autograd.grad(refs, x2, grads)[0])
-
-    def rotate_in_place(x):
-        apply_rotary_pos_emb_inplace(x[..., :8], q_freqs)
-        return x * 2
-
-    compiled_inplace = torch.compile(rotate_in_place, fullgraph=True)
-    t = torch.randn(6, 2, 3, 12, device=DEVICE)
-    expected = torch.cat((apply_rotary_pos_emb(t[..., :8], q_freqs, fused=False), t[..., 8:]), dim=-1)
-    with torch.no_grad():
-        x = t.clone()
-        result = compiled_inplace(x)
-    torch.testing.assert_close(x, expected)                    # mutated through the view
-    torch.testing.assert_close(result, expected * 2)
-
-
-def _opcheck_cases():
-    """(op, args) for each custom op, with the argument lists _rope_launch / _qkv_launch use."""
-    freqs = RotaryPositionEmbedding(8, device=DEVICE)(4)[:, :, :, :].float()
-    module = RotaryPositionEmbedding(8, device=DEVICE)
-    t = torch.randn(4, 2, 2, 10, device=DEVICE)
-    table = (freqs, None, False, 1, 1.0)
-    angles = (module.inv_freq, None, True, 1, 1.0)
-    ops = torch.ops.triton_rotary
-    qkv = torch.randn(4, 2, 1, 30, device=DEVICE)
-    grads = (torch.randn(4, 2, 1, 10, device=DEVICE),) * 2 + (torch.randn(4, 2, 1, 10, device=DEVICE),)
-    return [
-        ("rope table", ops.rope.default, (t, *table, "sbhd", None, False, None, 1, 0, None, False)),
-        ("rope module backward", ops.rope.default,
-         (t, *angles, "bshd", None, False, None, 1, 0, _ints([[3, 1], [0, 2], [1, 1], [5, 0]]), True)),
-        ("rope thd", ops.rope.default,
-         (t[:, 0], *table, "thd", None, True, _ints([0, 1, 4]), 1, 0, None, False)),
-        ("rope_ table", ops.rope_.default, (t.clone(), *table, "sbhd", _ints([0, 0]), False, None, 1, 0, None)),
-        ("rope_ module", ops.rope_.default, (t.clone(), *angles, "sbhd", None, False, None, 2, 1, None)),
-        ("qkv_rope table", ops.qkv_rope.default,
-         (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None)),
-        ("qkv_rope module", ops.qkv_rope.default,
-         (qkv, module.inv_freq, None, module.inv_freq, None, True, 1, 1.0, 0.5, [10, 10, 10], "bshd",
-          _ints([1, 0, 2, 3]), False, 1, 0, None)),
-        ("qkv_rope_backward", ops.qkv_rope_backward.default,
-         (*grads, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0, None)),
-    ]
-
-
-_OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd", "rope_ table", "rope_ module",
-                  "qkv_rope table", "qkv_rope module", "qkv_rope_backward")
-
-
-@pytest.mark.parametrize("name", _OPCHECK_NAMES)
-def test_opcheck_custom_ops(name):
-    """torch.library.opcheck: schema (mutation declared for rope_ only), fake kernels that
-    agree with the real ones in shape, strides and dtype, and AOT dispatch."""
-    cases = {case_name: (op, args) for case_name, op, args in _opcheck_cases()}
-    assert set(cases) == set(_OPCHECK_NAMES)
-    op, args = cases[name]
-    torch.library.opcheck(op, args)
-
-
-def test_unfused_thd_pass_through_gradient():
-    """Documented: thd tokens outside every sequence pass through, forward and backward. The
-    kernel does; fused=False gives NaN gradients where such a token's would-be position is
-    outside the table."""
-    cu = _ints([0, 2])
-    t = torch.randn(9, 1, 8, device=DEVICE, requires_grad=True)
-    out = apply_rotary_pos_emb(t, RotaryPositionEmbedding(8, device=DEVICE)(3), "thd", cu_seqlens=cu, fused=False)
-    grad = torch.randn_like(out)
-    (dt,) = torch.autograd.grad(out, t, grad)
-    assert torch.equal(dt[2:], grad[2:])
-
-
-class _DuckRope:
-    """Anything with a RotaryPositionEmbedding's attributes is taken as one."""
-    def __init__(self, inv_freq, n_axes=1, pair_axis=None, interleaved=False):
-        self.inv_freq, self.n_axes, self.pair_axis = inv_freq, n_axes, pair_axis
-        self.interleaved, self.attention_scaling = interleaved, 1.0
-
-
-def test_duck_typed_modules_are_checked():
-    """A module's own fields are input too: a missing pair_axis is named, an axis outside
-    [0, n_axes) gives NaN (never a read outside positions), a negative-bit inv_freq is read
-    with its sign."""
-    inv = RotaryPositionEmbedding(8, device=DEVICE).inv_freq
-    t = torch.randn(5, 2, 3, 8, device=DEVICE)
-    pos = torch.randint(0, 50, (3, 5), device=DEVICE)
-    with pytest.raises(TypeError, match="pair_axis"):
-        apply_rotary_pos_emb(t, _DuckRope(inv, n_axes=3), positions=pos)
-    bad_axis = torch.tensor([0, 1, 7, -1], dtype=torch.int32, device=DEVICE)
-    for dtype in (torch.float32, torch.float64):     # float64 computes its angles apart
-        out = apply_rotary_pos_emb(t.to(dtype), _DuckRope(inv, 3, bad_axis), positions=pos)
-        assert out[..., [2, 3, 6, 7]].isnan().all() and out[..., [0, 1, 4, 5]].isfinite().all()
-    neg = torch._neg_view(-inv)
-    torch.testing.assert_close(apply_rotary_pos_emb(t, _DuckRope(neg)),
-                               apply_rotary_pos_emb(t, _DuckRope(inv)))
-
-
-def test_qkv_backward_grads_and_overlapping_out_are_rejected():
-    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
-    qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
-    dq, dk = torch.randn(4, 2, 4, 8, device=DEVICE), torch.randn(4, 2, 2, 8, device=DEVICE)
-    with pytest.raises(TypeError, match="dq, dk, dv"):
-        triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], grads=(dq, dk))
-    buffer = torch.randn(2 * 4 * 2 * 3 * 8, device=DEVICE)
-    t = buffer[: 4 * 2 * 3 * 8].view(4, 2, 3, 8)
-    out = buffer[8: 8 + 4 * 2 * 3 * 8].view(4, 2, 3, 8)       # overlaps t, shifted by a head
-    with pytest.raises(ValueError, match="share memory with t"):
-        set_rotary_kernel(t, freqs, out=out)
-    # The same layouts, planned first with an out apart from t: whether memory is shared is
-    # a matter of pointers, which no plan's key holds.
-    apart = torch.empty_like(t)
-    set_rotary_kernel(t, freqs, out=apart)
-    with pytest.raises(ValueError, match="share memory with t"):
-        set_rotary_kernel(t, freqs, out=out)
-
-
-def test_out_of_another_shape_is_rejected():
-    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
-    t = torch.randn(4, 2, 3, 8, device=DEVICE)
-    buffer = torch.zeros(t.numel(), device=DEVICE)     # the writes past out stay inside it
-    out = buffer[: t.numel() // 2].view(2, 2, 3, 8)
-    with pytest.raises(ValueError, match="out"):
-        set_rotary_kernel(t, freqs, out=out)
-
-
-# --- the fuzzer ---------------------------------------------------------------------------------
-# Hypothesis draws calls, deterministically (derandomize=True, no example database), and each
-# is checked against the unfused formula on float64 copies of the same values, NaN where the
-# contract says NaN. ROPE_FUZZ_EXAMPLES sets the examples per fuzz test (100 by default).
-
-try:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-except ImportError:       # the fuzz tests skip, saying so
-    st = None
-
-_FUZZ_EXAMPLES = int(os.environ.get("ROPE_FUZZ_EXAMPLES", "100"))
-_FUZZ_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FUZZ_SCALINGS = (None, {"rope_type": "linear", "factor": 2.0},
-                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
-_LAYOUTS = ("contiguous", "transposed", "sliced", "offset", "expanded", "negative")
-
-
-def _composite(strategy):
-    return st.composite(strategy) if st is not None else strategy
-
-
-def _fuzz(strategy):
-    """given(call=strategy(), data=st.data()) with the deterministic settings, or a test that
-    skips when hypothesis is missing."""
-    def wrap(test):
-        if st is None:
-            def skipped():
-                pytest.skip("hypothesis is not installed (pip install hypothesis)")
-            skipped.__name__, skipped.__doc__ = test.__name__, test.__doc__
-            return skipped
-        return settings(derandomize=True, max_examples=_FUZZ_EXAMPLES, deadline=None, database=None,
-                        suppress_health_check=list(HealthCheck))(given(call=strategy(), data=st.data())(test))
-    return wrap
-
-
-def _values(gen, shape, dtype):
-    return torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-
-
-def _laid_out(draw, gen, shape, dtype, kinds=_LAYOUTS):
-    """A tensor of `shape` with a drawn memory layout: contiguous, two dims transposed, a slice
-    (stride 2 in the last dim), a 1-element storage offset, stride 0 along a dim (expanded),
-    or the negative bit."""
-    kind = draw(st.sampled_from(kinds))
-    n = len(shape)
-    if kind == "transposed":
-        i, j = draw(st.sampled_from([(a, b) for a in range(n) for b in range(a + 1, n)]))
-        swapped = list(shape)
-        swapped[i], swapped[j] = swapped[j], swapped[i]
-        return _values(gen, swapped, dtype).transpose(i, j)
-    if kind == "sliced":
-        return _values(gen, (*shape[:-1], 2 * shape[-1]), dtype)[..., ::2]
-    if kind == "offset":
-        return _values(gen, (math.prod(shape) + 1,), dtype)[1:].view(shape)
-    if kind == "expanded":
-        one = list(shape)
-        one[draw(st.integers(0, n - 1))] = 1
-        return _values(gen, one, dtype).expand(shape)
-    if kind == "negative":
-        return torch._neg_view(_values(gen, shape, dtype))
-    return _values(gen, shape, dtype)
-
-
-def _index(draw, values, shape=None):
-    """int32/int64 tensor of `values`: contiguous, strided, or with the negative bit."""
-    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
-    x = torch.tensor(values, dtype=dtype, device=DEVICE)
-    if shape is not None:
-        x = x.view(shape)
-    kind = draw(st.sampled_from(["contiguous", "strided", "negative"]))
-    if kind == "strided":
-        x = torch.stack((x, torch.full_like(x, -7)), dim=-1)[..., 0]
-    elif kind == "negative":
-        x = torch._neg_view(-x)
-    return x
-
-
-def _fuzz_angles(draw, gen, kind, d2, interleaved, rows, base=10000.0):
-    """A table (module-built or arbitrary angles; strided, expanded, float64, bfloat16 or
-    negative-bit) or a module (rope scalings, M-RoPE sections)."""
-    if kind == "table":
-        if draw(st.booleans()):
-            table = RotaryPositionEmbedding(d2, interleaved=interleaved, rotary_base=base, device=DEVICE)(rows)
-        else:
-            table = torch.randn(rows, 1, 1, d2, generator=gen).to(DEVICE) * 3
-        layout = draw(st.sampled_from(["contiguous", "strided", "expanded", "float64", "bfloat16", "negative"]))
-        if layout == "strided":
-            wide = torch.zeros(rows, 1, 1, 2 * d2, device=DEVICE)
-            wide[..., ::2] = table
-            table = wide[..., ::2]
-        elif layout == "expanded" and rows:
-            table = table[:1].expand(rows, 1, 1, d2)
-        elif layout == "negative":
-            table = torch._neg_view(-table)
-        elif layout in ("float64", "bfloat16"):
-            table = table.to(getattr(torch, layout))
-        return table
-    section, mrope_interleaved = None, False
-    if kind == "mrope":
-        first = draw(st.integers(0, d2 // 2))
-        second = draw(st.integers(0, d2 // 2 - first))
-        section = [first, second, d2 // 2 - first - second]
-        mrope_interleaved = draw(st.booleans())
-    return RotaryPositionEmbedding(d2, interleaved=interleaved, rotary_base=base, device=DEVICE,
-                                   rope_scaling=draw(st.sampled_from(_FUZZ_SCALINGS)),
-                                   mrope_section=section, mrope_interleaved=mrope_interleaved)
-
-
-def _fuzz_positions(draw, kind, shape, rows):
-    """Per-token positions of `shape` (with a leading axis dim for M-RoPE): for a table some
-    fall outside it (NaN by contract); for a module any integer of moderate size (angles stay
-    below the kernel's 2^24 reduction range)."""
-    values = st.integers(-2, rows + 2) if kind == "table" else st.integers(-300, 4000)
-    if kind == "mrope":
-        shape = (3, *shape)
-    numel = math.prod(shape)
-    return _index(draw, draw(st.lists(values, min_size=numel, max_size=numel)), shape)
-
-
-def _fuzz_sequences(draw, kind, cp_size, kwargs):
-    """Sequence length s (even under CP), batch b and table rows of an sbhd/bshd call, with
-    start positions or per-token positions ([s] or [b, s]) added to kwargs when CP allows."""
-    s = 2 * draw(st.integers(0, 3)) if cp_size > 1 else draw(st.integers(0, 6))
-    b = draw(st.integers(0, 3))
-    rows = s * cp_size + draw(st.integers(0, 4))
-    extra = draw(st.sampled_from(["none", "start", "positions", "batch positions"])) if cp_size == 1 else "none"
-    if extra == "start":
-        kwargs["start_positions"] = _index(draw, draw(st.lists(st.integers(-1, 4), min_size=b, max_size=b)))
-    elif extra != "none":
-        kwargs["positions"] = _fuzz_positions(draw, kind, (s,) if extra == "positions" else (b, s), rows)
-    return s, b, rows
-
-
-@_composite
-def _rope_calls(draw):
-    """(t, freqs, kwargs, grad, in_seq, d2) for apply_rotary_pos_emb; in_seq marks the thd
-    tokens inside a sequence (None: every token)."""
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    fmt = draw(st.sampled_from(["sbhd", "bshd", "thd"]))
-    dtype = draw(st.sampled_from(_FUZZ_DTYPES))
-    interleaved = draw(st.booleans())
-    d = draw(st.integers(2, 20))
-    d2 = 2 * draw(st.integers(1, d // 2))
-    h = draw(st.integers(0, 3))
-    kind = draw(st.sampled_from(["table", "module", "mrope"]))
-    cp_size = draw(st.sampled_from([1, 1, 2, 3]))
-    cp_rank = draw(st.integers(0, cp_size - 1))
-    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
-    in_seq = None
-    if fmt == "thd":
-        tokens = draw(st.integers(0, 10))
-        shape = (tokens, h, d)
-        rows = draw(st.integers(0, 12))
-        if cp_size == 1 and draw(st.booleans()):
-            kwargs["positions"] = _fuzz_positions(draw, kind, (tokens,), rows)
-        else:
-            # Sorted global offsets: empty sequences, a first one after 0, ends past the tokens.
-            cu = sorted(draw(st.lists(st.integers(0, (tokens + 3) * cp_size), min_size=2, max_size=5)))
-            kwargs["cu_seqlens"] = _index(draw, cu)
-            in_seq = torch.zeros(tokens, dtype=torch.bool, device=DEVICE)
-            for start, end in zip(cu[:-1], cu[1:]):
-                in_seq[start // cp_size:end // cp_size] = True
-            if cp_size == 1 and draw(st.booleans()):
-                starts = draw(st.lists(st.integers(-1, 4), min_size=len(cu) - 1, max_size=len(cu) - 1))
-                kwargs["start_positions"] = _index(draw, starts)
-    else:
-        s, b, rows = _fuzz_sequences(draw, kind, cp_size, kwargs)
-        shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
-    freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows)
-    return _laid_out(draw, gen, shape, dtype), freqs, kwargs, _laid_out(draw, gen, shape, dtype), in_seq, d2
-
-
-def _fuzz_reference(t, freqs, kwargs, grad, in_seq):
-    """Output and input gradient of the unfused formula on float64 copies of the values, with
-    the documented pass-through gradient for thd tokens outside every sequence (the unfused
-    path's own is NaN there: test_unfused_thd_pass_through_gradient)."""
-    x = t.resolve_neg().double().requires_grad_(True)
-    out = apply_rotary_pos_emb(x, freqs, fused=False, **kwargs)
-    (dx,) = torch.autograd.grad(out, x, grad.resolve_neg().double())
-    if in_seq is not None:
-        dx[~in_seq] = grad.resolve_neg()[~in_seq].double()
-    return out.detach(), dx
-
-
-def _assert_fuzz_close(actual, expected, what):
-    assert actual.shape == expected.shape, what
-    expected = expected.to(actual.dtype)
-    # float64 runs compare float64 sin/cos with the reference's float32 ones.
-    tol = dict(atol=1e-6, rtol=1e-6) if actual.dtype == torch.float64 else {}
-    torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{what}: {m}", **tol)
-
-
-def _poisoned_view(draw, shape, dtype):
-    """(buffer, out, inside): out a view of `shape` inside a larger buffer (padding around it,
-    dims stored in a drawn order), out filled with NaN (each element must be written) and the
-    rest of the buffer with a sentinel (none of it may be); inside marks out in the buffer."""
-    n = len(shape)
-    pads = [draw(st.integers(0, 2)) for _ in shape]
-    offsets = [draw(st.integers(0, p)) for p in pads]
-    order = list(draw(st.permutations(range(n))))
-    window = tuple(slice(o, o + k) for o, k in zip(offsets, shape))
-
-    def make(fill, dtype):
-        stored = torch.full([shape[i] + pads[i] for i in order], fill, dtype=dtype, device=DEVICE)
-        return stored.permute(*[order.index(i) for i in range(n)])
-
-    buffer, inside = make(7.0, dtype), make(False, torch.bool)
-    inside[window] = True
-    out = buffer[window]
-    out.fill_(float("nan"))
-    return buffer, out, inside
-
-
-@_fuzz(_rope_calls)
-def test_fuzz_rope(call, data):
-    """apply_rotary_pos_emb forward and backward through autograd, then the launcher writing
-    into a poisoned out view (forward or backward, drawn): every element written, nothing
-    around it touched."""
-    t, freqs, kwargs, grad, in_seq, _ = call
-    ref_out, ref_dx = _fuzz_reference(t, freqs, kwargs, grad, in_seq)
-    x = t.detach().requires_grad_(True)
-    out = apply_rotary_pos_emb(x, freqs, **kwargs)
-    assert out.is_contiguous() and out.dtype == t.dtype
-    _assert_fuzz_close(out.detach(), ref_out, "forward")
-    (dx,) = torch.autograd.grad(out, x, grad)
-    _assert_fuzz_close(dx, ref_dx, "backward")
-    backward = data.draw(st.booleans())
-    buffer, target, inside = _poisoned_view(data.draw, t.shape, t.dtype)
-    around = buffer.clone()
-    result = set_rotary_kernel(grad if backward else t, freqs, backward=backward, out=target, **kwargs)
-    assert result is target
-    _assert_fuzz_close(target, ref_dx if backward else ref_out, "out= (backward)" if backward else "out=")
-    assert torch.equal(buffer[~inside], around[~inside]), "written outside out"
-
-
-@_fuzz(_rope_calls)
-def test_fuzz_rope_inplace(call, data):
-    """apply_rotary_pos_emb_inplace on a view inside a larger buffer (transposed, sliced or
-    offset storage): its first d2 channels rotated, everything else in the buffer untouched."""
-    t, freqs, kwargs, _, _, d2 = call
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    # A view that does not overlap itself and has no negative bit (both refused in place).
-    view = _laid_out(data.draw, gen, t.shape, t.dtype, ("contiguous", "transposed", "sliced", "offset"))
-    base = view._base if view._base is not None else view
-    before, start = base.clone(), view.clone()
-    expected = apply_rotary_pos_emb(start.double(), freqs, fused=False, **kwargs)
-    with torch.no_grad():
-        assert apply_rotary_pos_emb_inplace(view, freqs, **kwargs) is view
-    _assert_fuzz_close(view[..., :d2], expected[..., :d2], "rotated channels")
-    assert torch.equal(view[..., d2:], start[..., d2:]), "channels past d2 changed"
-    # Everything of the storage outside the view: compare through a marker copy.
-    marker = torch.zeros_like(base, dtype=torch.bool)
-    marker.as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset()).fill_(True)
-    assert torch.equal(base[~marker], before[~marker]), "written outside the view"
-
-
-@_composite
-def _qkv_calls(draw):
-    """(qkv, q_freqs, k_freqs, split, kwargs, grads) for apply_fused_qkv_rotary_pos_emb."""
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    fmt = draw(st.sampled_from(["sbhd", "bshd"]))
-    dtype = draw(st.sampled_from(_FUZZ_DTYPES))
-    interleaved = draw(st.booleans())
-    d = draw(st.integers(2, 14))
-    d2 = 2 * draw(st.integers(1, d // 2))
-    split = [d * draw(st.integers(1, 3)), d, draw(st.integers(1, 12))]
-    kv_heads = draw(st.integers(0, 3))
-    kind = draw(st.sampled_from(["table", "module", "mrope"]))
-    cp_size = draw(st.sampled_from([1, 1, 2, 4]))
-    cp_rank = draw(st.integers(0, cp_size - 1))
-    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
-    s, b, rows = _fuzz_sequences(draw, kind, cp_size, kwargs)
-    # Distinct q and k angles, so a mix-up shows; both of one kind (as required).
-    q_freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows)
-    k_freqs = _fuzz_angles(draw, gen, kind, d2, interleaved, rows, base=500.0)
-    if kind == "mrope" and q_freqs.n_axes != k_freqs.n_axes:
-        k_freqs = q_freqs
-    lead = (s, b) if fmt == "sbhd" else (b, s)
-    qkv = _laid_out(draw, gen, (*lead, kv_heads, sum(split)), dtype)
-    shapes = [(*lead, kv_heads * split[0] // d, d), (*lead, kv_heads, d), (*lead, kv_heads, split[2])]
-    grads = [_laid_out(draw, gen, shp, dtype) for shp in shapes]
-    return qkv, q_freqs, k_freqs, split, kwargs, grads
-
-
-@_fuzz(_qkv_calls)
-def test_fuzz_qkv(call, data):
-    """apply_fused_qkv_rotary_pos_emb forward and packed gradient against the unfused formula
-    on float64 copies."""
-    qkv, q_freqs, k_freqs, split, kwargs, grads = call
-    x64 = qkv.resolve_neg().double().requires_grad_(True)
-    if qkv.shape[0] * qkv.shape[1]:
-        refs = apply_fused_qkv_rotary_pos_emb(x64, q_freqs, k_freqs, split, fused=False, **kwargs)
-        (ref_dx,) = torch.autograd.grad(refs, x64, [g.resolve_neg().double() for g in grads])
-    else:           # no tokens: empty results (the unfused path fails, test_unfused_qkv_without_tokens)
-        refs, ref_dx = [torch.zeros(g.shape, dtype=torch.float64, device=DEVICE) for g in grads], torch.zeros_like(x64)
-    x = qkv.detach().requires_grad_(True)
-    outs = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, split, **kwargs)
-    for name, out, ref in zip("qkv", outs, refs):
-        assert out.is_contiguous() and out.dtype == qkv.dtype
-        _assert_fuzz_close(out.detach(), ref.detach(), name)
-    (dx,) = torch.autograd.grad(outs, x, grads)
-    _assert_fuzz_close(dx, ref_dx, "packed gradient")
-
-
-def _cp_split(x, cu_seqlens, cp_size, rank, dim=0):
-    """Rank `rank`'s tokens under TE's load-balanced split: each sequence (the whole dim for
-    sbhd, each cu_seqlens span for thd) is cut into 2*cp_size chunks and the rank keeps chunks
-    rank and 2*cp_size-1-rank."""
-    spans = list(zip(cu_seqlens[:-1], cu_seqlens[1:])) if cu_seqlens else [(0, x.shape[dim])]
-    pieces = []
-    for start, end in spans:
-        chunks = x.narrow(dim, start, end - start).chunk(2 * cp_size, dim=dim)
-        pieces += [chunks[rank], chunks[2 * cp_size - 1 - rank]]
-    return torch.cat(pieces, dim=dim)
-
-
-def _cp_worker(rank, world_size, init_file, tensor_format, results):
-    """One context-parallel rank: RoPE on its own tokens, then all_gather to rank 0."""
-    import torch.distributed as dist
-    use_nccl = ON_GPU
-    device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
-    if use_nccl:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)                       # every rank builds the same global tensors
-        cu = [0, 8 * world_size, 12 * world_size, 28 * world_size] if tensor_format == "thd" else None
-        shape = (cu[-1], 3, 32) if cu else (16 * world_size, 2, 3, 32)
-        full = torch.randn(shape, device=device)
-        grad = torch.randn(shape, device=device)
-        freqs = RotaryPositionEmbedding(32, device=device)(shape[0])
-        kwargs = dict(tensor_format=tensor_format, cp_size=world_size, cp_rank=rank)
-        if cu:
-            kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
-        local = _cp_split(full, cu, world_size, rank).requires_grad_(True)
-        out = apply_rotary_pos_emb(local, freqs, **kwargs)
-        (dx,) = torch.autograd.grad(out, local, _cp_split(grad, cu, world_size, rank))
-        gathered = [[torch.empty_like(out) for _ in range(world_size)] for _ in range(2)]
-        dist.all_gather(gathered[0], out.detach().contiguous())
-        dist.all_gather(gathered[1], dx.contiguous())
-        if rank == 0:
-            # Undo the split: put every rank's chunks back where they came from.
-            index = _cp_split(torch.arange(shape[0], device=device), cu, 1, 0)
-            order = torch.cat([_cp_split(index, cu, world_size, r) for r in range(world_size)])
-            whole_out, whole_dx = torch.empty_like(full), torch.empty_like(full)
-            whole_out[order] = torch.cat(gathered[0])
-            whole_dx[order] = torch.cat(gathered[1])
-            x = full.clone().requires_grad_(True)
-            single_kwargs = dict(tensor_format=tensor_format, cu_seqlens=kwargs.get("cu_seqlens"))
-            ref = apply_rotary_pos_emb(x, freqs, **single_kwargs)
-            (ref_dx,) = torch.autograd.grad(ref, x, grad)
-            torch.testing.assert_close(whole_out, ref.detach())
-            torch.testing.assert_close(whole_dx, ref_dx)
-            results.put("ok")
-    except Exception as err:   # report, then let the other ranks finish
-        results.put(f"rank {rank}: {err!r}")
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_context_parallel_across_processes(world_size, tensor_format, tmp_path):
-    """Split a sequence the load-balanced way over real ranks (gloo on CPU through the
-    interpreter, NCCL on GPUs), rotate each piece with its own cp_rank, gather, undo the split:
-    the same as one process rotating the whole sequence, forward and backward."""
-    import torch.multiprocessing as mp
-    if ON_GPU and torch.cuda.device_count() < world_size:
-        pytest.skip(f"NCCL run needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_cp_worker, args=(world_size, str(tmp_path / "rendezvous"), tensor_format, results),
-                       nprocs=world_size, join=True, start_method="spawn")
-    assert results.get() == "ok"
-
-
-@pytest.mark.sanitize
-@pytest.mark.parametrize("split,kv_heads,rotary_percent", [([3 * 80, 80, 48], 3, 0.5), ([2 * 72, 72, 72], 5, 1.0)])
-def test_sanitize_qkv(split, kv_heads, rotary_percent):
-    torch.manual_seed(13)
-    qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE, dtype=torch.bfloat16)
-    freqs = RotaryPositionEmbedding(split[1], rotary_percent, device=DEVICE)(9)
-    _compare_qkv(qkv, freqs, freqs * 2, split)
-
-
-# --- Angles from positions: exactness, positions, M-RoPE ---
-# With a RotaryPositionEmbedding as freqs the kernel computes each angle as the exact
-# product position * inv_freq (no float32 table); M-RoPE: each rotated pair taking its
-# position from its own axis. The references here are written from the definition in float64,
-# never through fused=False (which shares the launcher's position logic).
-
-EXACT_REL_TOL = 2e-6
-# The exact path takes angles below 2^24; at inv_freq = 1 (the first pair, any base) that is
-# every position below 2^24.
-MAX_EXACT_POSITION = 2**24 - 1
-# YaRN with factor 4: attention_scaling = 0.1 * ln(4) + 1 = 1.139 multiplies cos and sin, so a
-# scale forgotten (or applied twice) in either direction fails the comparison.
-_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
-
-
-def _rel_error(out, ref):
-    """||out - ref|| / ||ref|| (Frobenius, ref in float64): the error measure of this section."""
-    return ((out.detach().double().cpu() - ref).norm() / ref.norm()).item()
-
-
 def _worst_token_rel_error(out, ref, lead):
     """The largest per-token ||out - ref|| / ||ref||: one wrong token among many cannot hide
     in the overall norm. `lead` is the number of token dims (2 for sbhd/bshd, 1 for thd)."""
     diff = (out.detach().double().cpu() - ref).flatten(lead).norm(dim=-1)
     return (diff / ref.flatten(lead).norm(dim=-1)).max().item()
-
-
-def _pair_positions(pos, n_pairs, pair_axis=None):
-    """Each pair's position, [..., n_pairs]: pos [...] (one per token), or, for M-RoPE,
-    pos [n_axes, ...] read on axis pair_axis[k] for pair k."""
-    if pair_axis is None:
-        return pos[..., None].expand(*pos.shape, n_pairs)
-    return pos.movedim(0, -1)[..., pair_axis]
-
-
-def _rotate64(x, pair_pos, inv_freq, interleaved, scale=1.0, transpose=False):
-    """RoPE from its definition, in float64: pair k of x [..., h, d] (channels k and k + d2/2,
-    or 2k and 2k + 1 interleaved) as a complex number times scale * e^{i theta}, theta =
-    pair_pos[..., k] * inv_freq[k] (pair_pos has no head dim: shared by the heads). With
-    transpose, e^{-i theta}: the transposed rotation, i.e. the gradient of the forward.
-    Channels past d2 are copied."""
-    n = inv_freq.numel()
-    x = x.detach().double().cpu()
-    theta = pair_pos.double().cpu()[..., None, :] * inv_freq.double().cpu()     # [..., 1, n]
-    rot = scale * torch.polar(torch.ones_like(theta), -theta if transpose else theta)
-    if interleaved:
-        z = torch.complex(x[..., 0:2 * n:2], x[..., 1:2 * n:2]) * rot
-        rotated = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
-    else:
-        z = torch.complex(x[..., :n], x[..., n:2 * n]) * rot
-        rotated = torch.cat((z.real, z.imag), dim=-1)
-    return torch.cat((rotated, x[..., 2 * n:]), dim=-1)
-
-
-def _mrope_axis_rule(section, interleaved):
-    """Position axis of each pair, written from the papers' description (independently of the
-    module's pair_axis): Qwen2-VL gives consecutive blocks of section[i] pairs to axis i;
-    Qwen3-VL gives axis a in (1, 2) every third pair from a among the first 3 * section[a]."""
-    if not interleaved:
-        return torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
-    k = torch.arange(sum(section))
-    a = k % 3
-    return torch.where((a > 0) & (k < 3 * torch.tensor(section)[a]), a, 0)
 
 
 def _random_exact_positions(gen, *shape):
@@ -2293,12 +937,12 @@ def _exact_case(name, head_dim, gen):
     # Context parallelism excludes start_positions and positions, so a rank's positions stay
     # below s * cp_size: this checks the load-balanced split on the exact path, not large angles.
     if name == "sbhd_cp":
-        pos = torch.tensor(_independent_positions(8, 4, 2))
+        pos = torch.tensor(independent_positions(8, 4, 2))
         return (8, b, h, d), dict(cp_size=4, cp_rank=2), pos[:, None].expand(8, b)
     if name == "thd_cp":
         cu, cp_size, cp_rank = [0, 8, 20, 24], 2, 1
         local = [(e - a) // cp_size for a, e in zip(cu[:-1], cu[1:])]
-        pos = torch.cat([torch.tensor(_independent_positions(n, cp_size, cp_rank)) for n in local])
+        pos = torch.cat([torch.tensor(independent_positions(n, cp_size, cp_rank)) for n in local])
         return ((sum(local), h, d), dict(tensor_format="thd", cu_seqlens=ints(cu), cp_size=cp_size,
                                          cp_rank=cp_rank), pos)
     raise AssertionError(name)
@@ -2322,19 +966,19 @@ def test_angles_from_positions_exact(case, head_dim, rope, interleaved):
     gen = torch.Generator().manual_seed(sum(map(ord, case)) + interleaved)
     shape, kwargs, pos = _exact_case(case, head_dim, gen)
     emb = RotaryPositionEmbedding(32, interleaved=interleaved, device=DEVICE,
-                                  rope_scaling=_YARN if rope == "yarn" else None)
+                                  rope_scaling=YARN if rope == "yarn" else None)
     assert (emb.attention_scaling > 1.1) == (rope == "yarn")
     t = torch.randn(shape, generator=gen).to(DEVICE).requires_grad_(True)
     grad = torch.randn(shape, generator=gen).to(DEVICE)
     out = apply_rotary_pos_emb(t, emb, interleaved=interleaved, **kwargs)
     (dx,) = torch.autograd.grad(out, t, grad)
 
-    pair_pos = _pair_positions(pos, 16)
-    ref = _rotate64(t, pair_pos, emb.inv_freq, interleaved, emb.attention_scaling)
-    ref_dx = _rotate64(grad, pair_pos, emb.inv_freq, interleaved, emb.attention_scaling, transpose=True)
+    pair_pos = pair_positions(pos, 16)
+    ref = rotate64(t, pair_pos, emb.inv_freq, interleaved, emb.attention_scaling)
+    ref_dx = rotate64(grad, pair_pos, emb.inv_freq, interleaved, emb.attention_scaling, transpose=True)
     lead = len(shape) - 2
     for got, expected in ((out, ref), (dx, ref_dx)):
-        assert _rel_error(got, expected) < EXACT_REL_TOL
+        assert rel_error(got, expected) < EXACT_REL_TOL
         assert _worst_token_rel_error(got, expected, lead) < EXACT_REL_TOL
     assert torch.equal(out[..., 32:], t[..., 32:]) and torch.equal(dx[..., 32:], grad[..., 32:])
 
@@ -2446,15 +1090,16 @@ def test_table_angles_lose_accuracy_where_exact_angles_do_not():
     emb = RotaryPositionEmbedding(32, device=DEVICE)
     table = emb(p0 + s)                          # TE's whole table, 2^20 rows (128 MiB)
     # Row p of TE's table equals a one-row table at offset p (float32(p) is exact below 2^24):
-    # this is how the accuracy study below reaches 2^24 without a 2 GiB table.
+    # this is how the accuracy study (rope_test_support.accuracy_vs_position) reaches 2^24
+    # without a 2 GiB table.
     assert torch.equal(emb(s, offset=p0), table[p0:])
     t = torch.randn(s, b, 2, 40, device=DEVICE)
     pos = torch.arange(p0, p0 + s)
-    ref = _rotate64(t, _pair_positions(pos[:, None].expand(s, b), 16), emb.inv_freq, False)
+    ref = rotate64(t, pair_positions(pos[:, None].expand(s, b), 16), emb.inv_freq, False)
     for kwargs in (dict(start_positions=torch.full((b,), p0, dtype=torch.int32, device=DEVICE)),
                    dict(positions=pos.to(DEVICE))):
-        table_error = _rel_error(apply_rotary_pos_emb(t, table, **kwargs), ref)
-        exact_error = _rel_error(apply_rotary_pos_emb(t, emb, **kwargs), ref)
+        table_error = rel_error(apply_rotary_pos_emb(t, table, **kwargs), ref)
+        exact_error = rel_error(apply_rotary_pos_emb(t, emb, **kwargs), ref)
         assert table_error > 1e-4 and exact_error < EXACT_REL_TOL
         assert table_error > 100 * exact_error
 
@@ -2470,10 +1115,10 @@ def test_positions_past_float32_integers_are_exact_or_nan():
     assert (pos * 0.25 < 2**24).all()            # every angle inside the range the kernel takes
     t = torch.randn(3, 1, 2, 32, generator=torch.Generator().manual_seed(51)).to(DEVICE)
     out = apply_rotary_pos_emb(t, emb, positions=pos.to(DEVICE))
-    ref = _rotate64(t, _pair_positions(pos[:, None], 16), emb.inv_freq, False)
+    ref = rotate64(t, pair_positions(pos[:, None], 16), emb.inv_freq, False)
     for i in range(3):
         token = out[i:i + 1]
-        assert token.isnan().any() or _rel_error(token, ref[i:i + 1]) < EXACT_REL_TOL, i
+        assert token.isnan().any() or rel_error(token, ref[i:i + 1]) < EXACT_REL_TOL, i
 
 
 def _fwd_bwd(t, freqs, grad, **kwargs):
@@ -2490,7 +1135,7 @@ def test_explicit_positions_match_implicit_positions(kind, tensor_format):
     (start_positions, thd cu_seqlens) bit for bit, equal to fused=False, and [s] the same as
     [b, s] with identical rows (broadcast or copied)."""
     torch.manual_seed(41)
-    emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=_YARN if kind == "module" else None)
+    emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=YARN if kind == "module" else None)
     freqs = emb(64) if kind == "table" else emb
     ints = functools.partial(torch.tensor, dtype=torch.int32, device=DEVICE)
     s, b, h, d = 6, 2, 3, 40
@@ -2526,7 +1171,7 @@ def test_fused_qkv_and_inplace_take_module_and_positions():
     """The fused QKV (one launch each way) and the in-place entry point with modules and
     per-token positions equal the plain path on the same views, forward and backward."""
     torch.manual_seed(42)
-    q_emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=_YARN)
+    q_emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=YARN)
     k_emb = RotaryPositionEmbedding(32, rotary_base=500.0, device=DEVICE)   # q and k may differ
     s, b, kv_heads, d, dv = 5, 2, 2, 40, 24
     split = [2 * d, d, dv]
@@ -2562,11 +1207,579 @@ def test_fused_qkv_and_inplace_take_module_and_positions():
         torch.testing.assert_close(t, expected)
 
 
-def _mrope_module(interleaved, dim=32, section=None):
-    if section is None:
-        section = [8, 4, 4] if interleaved else [4, 6, 6]
-    return RotaryPositionEmbedding(dim, device=DEVICE, mrope_section=section,
-                                   mrope_interleaved=interleaved)
+def _vl_positions(sequences):
+    """[3, t] M-RoPE position ids of packed sequences as Qwen2-VL's get_rope_index lays them out:
+    text advances all three axes together; an image (frames, rows, cols) grid keeps its start on
+    every axis plus frame / row / column index on the temporal / height / width axis, and the
+    text after it resumes at one past the largest position used. Each sequence starts at 0."""
+    columns = []
+    for segments in sequences:
+        start = 0
+        for seg in segments:
+            if seg[0] == "text":
+                p = torch.arange(seg[1]) + start
+                columns.append(torch.stack([p, p, p]))
+            else:
+                _, frames, rows, cols = seg
+                f, r, c = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
+                columns.append(torch.stack([f.flatten(), r.flatten(), c.flatten()]) + start)
+            start = int(columns[-1].max()) + 1
+    return torch.cat(columns, dim=1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
+def test_mrope_exact_and_packed(interleaved):
+    """M-RoPE against the float64 reference, forward and backward: (a) random positions up to
+    2^24 - 1 on each axis, bshd [3, b, s] and sbhd [3, s]; (b) thd with images, a video and text
+    packed into three sequences, where positions jump, repeat and differ across axes."""
+    emb = mrope_module(interleaved)
+    axis = mrope_axis_rule(emb.mrope_section, interleaved)
+    gen = torch.Generator().manual_seed(46)
+    s, b, h, d = 5, 2, 2, 40
+    packed = _vl_positions([[("text", 3), ("image", 1, 2, 3), ("text", 2)],
+                            [("image", 2, 2, 2), ("text", 4)],
+                            [("text", 2), ("image", 1, 3, 1), ("text", 1)]])
+    assert packed.shape == (3, 29) and not torch.equal(packed[0], packed[1])
+    cases = [("bshd", (b, s, h, d), _random_exact_positions(gen, 3, b, s), None),
+             ("sbhd", (s, b, h, d), _random_exact_positions(gen, 3, s), lambda p: p[:, :, None].expand(3, s, b)),
+             ("thd", (29, h, d), packed, None)]
+    for fmt, shape, pos, as_tokens in cases:
+        t = torch.randn(shape, generator=gen).to(DEVICE)
+        grad = torch.randn(shape, generator=gen).to(DEVICE)
+        out, dx = _fwd_bwd(t, emb, grad, tensor_format=fmt, positions=pos.to(DEVICE))
+        pair_pos = pair_positions(as_tokens(pos) if as_tokens else pos, 16, axis)
+        ref = rotate64(t, pair_pos, emb.inv_freq, False)
+        ref_dx = rotate64(grad, pair_pos, emb.inv_freq, False, transpose=True)
+        lead = len(shape) - 2
+        for got, expected in ((out, ref), (dx, ref_dx)):
+            assert rel_error(got, expected) < EXACT_REL_TOL, fmt
+            assert _worst_token_rel_error(got, expected, lead) < EXACT_REL_TOL, fmt
+        # the unfused path (float64 angles, float32 cos/sin) agrees as well
+        unfused = _fwd_bwd(t, emb, grad, tensor_format=fmt, positions=pos.to(DEVICE), fused=False)
+        torch.testing.assert_close(out, unfused[0])
+        torch.testing.assert_close(dx, unfused[1])
+
+
+def test_mrope_text_positions_reduce_to_rope():
+    """Text only (all axes equal) M-RoPE is plain RoPE: the module without positions, with [3, s]
+    positions all equal to the index, and the plain module give the same result."""
+    torch.manual_seed(47)
+    t = torch.randn(6, 2, 2, 40, device=DEVICE)
+    plain = apply_rotary_pos_emb(t, RotaryPositionEmbedding(32, device=DEVICE))
+    for interleaved in (False, True):
+        mrope = mrope_module(interleaved)
+        assert torch.equal(apply_rotary_pos_emb(t, mrope), plain)
+        same = torch.arange(6, device=DEVICE).expand(3, 6)
+        assert torch.equal(apply_rotary_pos_emb(t, mrope, positions=same), plain)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["contiguous", "interleaved"])
+def test_mrope_gradcheck_float64(interleaved):
+    """float64 through the kernel, M-RoPE positions that differ per axis: the backward is the
+    true gradient."""
+    torch.manual_seed(48)
+    emb = mrope_module(interleaved, 8, [2, 1, 1])
+    pos = torch.tensor([[[3, 70, 5]], [[900, 1, 2]], [[12, 12, 4000]]], device=DEVICE)     # [3, b=1, s=3]
+    t = torch.randn(1, 3, 2, 10, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: apply_rotary_pos_emb(x, emb, "bshd", positions=pos), (t,))
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
+def test_fused_qkv_mrope(tensor_format):
+    """Fused QKV with an M-RoPE module and [3, b, s] positions: q and k against the float64
+    reference, v copied, and the packed gradient the transposed rotation of (dq, dk) next to dv."""
+    torch.manual_seed(49)
+    emb = mrope_module(True)
+    axis = mrope_axis_rule(emb.mrope_section, True)
+    s, b, kv_heads, d, dv = 4, 2, 2, 40, 8
+    split = [2 * d, d, dv]
+    lead = (s, b) if tensor_format == "sbhd" else (b, s)
+    qkv = torch.randn(*lead, kv_heads, sum(split), device=DEVICE)
+    pos = _random_exact_positions(torch.Generator().manual_seed(49), 3, b, s)
+    tok_pos = pos if tensor_format == "bshd" else pos.transpose(1, 2)            # [3, *lead]
+    pair_pos = pair_positions(tok_pos, 16, axis)
+    x = qkv.clone().requires_grad_(True)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(x, emb, emb, split, tensor_format, positions=pos.to(DEVICE))
+    gq, gk, gv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+    (dx,) = torch.autograd.grad((q, k, v), x, (gq, gk, gv))
+    q_in = qkv[..., :2 * d].reshape(*lead, 2 * kv_heads, d)
+    assert rel_error(q, rotate64(q_in, pair_pos, emb.inv_freq, False)) < EXACT_REL_TOL
+    assert rel_error(k, rotate64(qkv[..., 2 * d:3 * d], pair_pos, emb.inv_freq, False)) < EXACT_REL_TOL
+    assert torch.equal(v, qkv[..., 3 * d:])
+    ref_dx = torch.cat((rotate64(gq, pair_pos, emb.inv_freq, False, transpose=True).reshape(*lead, kv_heads, 2 * d),
+                        rotate64(gk, pair_pos, emb.inv_freq, False, transpose=True), gv.double().cpu()), dim=-1)
+    assert rel_error(dx, ref_dx) < EXACT_REL_TOL
+
+
+# =================================================================================================
+# == 5. API semantics
+#    Thd pass-through, positions outside a table, index dtypes, in place, empty inputs,
+#    arguments saved for the backward.
+# =================================================================================================
+
+
+def test_thd_tokens_outside_sequences_pass_through():
+    """TE leaves tokens past cu_seqlens[-1] uninitialised; here they are returned unchanged
+    (and their gradient passes through), in both the kernel and the unfused path."""
+    torch.manual_seed(6)
+    cu_seqlens = torch.tensor([0, 3, 3, 7], dtype=torch.int32, device=DEVICE)   # an empty sequence
+    t = torch.randn(11, 2, 16, device=DEVICE)
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    grad = torch.randn_like(t)
+    for fused in (True, False):
+        x = t.clone().requires_grad_(True)
+        out = apply_rotary_pos_emb(x, freqs, "thd", cu_seqlens=cu_seqlens, fused=fused)
+        (g,) = torch.autograd.grad(out, x, grad)
+        assert torch.equal(out[7:], t[7:]) and torch.equal(g[7:], grad[7:])
+        assert not torch.allclose(out[1:7], t[1:7])
+    torch.testing.assert_close(apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=cu_seqlens),
+                               unfused_reference(t, freqs=freqs, tensor_format="thd", cu_seqlens=cu_seqlens))
+
+
+def test_positions_outside_freqs_give_nan():
+    """A start position running past freqs gives NaN rows (never an out-of-bounds read)."""
+    t = torch.randn(4, 2, 3, 16, device=DEVICE)
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(6)
+    starts = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)   # batch 1 needs rows 3..6
+    for fused in (True, False):
+        out = apply_rotary_pos_emb(t, freqs, start_positions=starts, fused=fused)
+        assert not out[:, 0].isnan().any()
+        assert out[:3, 1].isfinite().all() and out[3, 1].isnan().all()
+
+
+def test_int64_index_tensors_and_strided_inputs_match_int32():
+    torch.manual_seed(7)
+    cu = [0, 5, 9, 16]
+    t = torch.randn(16, 4, 32, device=DEVICE)
+    freqs = RotaryPositionEmbedding(32, device=DEVICE)(24)
+    starts = [3, 0, 7]
+    expected = apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+                                    start_positions=torch.tensor(starts, dtype=torch.int32, device=DEVICE))
+    cu64 = torch.tensor([0, 0] + cu, dtype=torch.int64, device=DEVICE)[2:]      # offset storage
+    starts64 = torch.tensor([[s, -1] for s in starts], dtype=torch.int64, device=DEVICE)[:, 0]  # strided
+    torch.testing.assert_close(apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=cu64, start_positions=starts64),
+                               expected)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def test_inplace_matches_out_of_place(tensor_format, interleaved):
+    torch.manual_seed(8)
+    shape = {"sbhd": (6, 2, 3, 24), "bshd": (2, 6, 3, 24), "thd": (12, 3, 24)}[tensor_format]
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE) if tensor_format == "thd" else None
+    # q inside a packed [.., 3 heads of q | 2 heads of other] buffer: a strided view.
+    packed = torch.randn(*shape[:-2], shape[-2] + 2, shape[-1], device=DEVICE)
+    q = packed[..., :shape[-2], :]
+    freqs = RotaryPositionEmbedding(16, interleaved=interleaved, device=DEVICE)(12)
+    expected = apply_rotary_pos_emb(q, freqs, tensor_format, interleaved=interleaved, cu_seqlens=cu)
+    untouched = packed.clone()
+    with torch.inference_mode():
+        returned = apply_rotary_pos_emb_inplace(q, freqs, tensor_format, interleaved=interleaved, cu_seqlens=cu)
+    assert returned.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(q, expected)
+    assert torch.equal(packed[..., shape[-2]:, :], untouched[..., shape[-2]:, :])   # other heads
+    assert torch.equal(q[..., 16:], untouched[..., :shape[-2], 16:])               # channels >= d2
+
+
+def _both_angle_kinds(d2, rows, interleaved=False):
+    """The same rotation as a table [rows, 1, 1, d2] and as the module that built it."""
+    module = RotaryPositionEmbedding(d2, interleaved=interleaved, device=DEVICE)
+    return {"table": module(rows), "module": module}
+
+
+_ZERO_SIZE_CASES = [
+    ("sbhd s=0", (0, 2, 3, 12), dict()),
+    ("sbhd b=0", (4, 0, 3, 12), dict()),
+    ("sbhd h=0", (4, 2, 0, 12), dict()),
+    ("bshd s=0", (2, 0, 3, 12), dict(tensor_format="bshd")),
+    ("bshd b=0", (0, 4, 3, 12), dict(tensor_format="bshd")),
+    ("sbhd s=0 cp", (0, 2, 3, 12), dict(cp_size=2, cp_rank=1)),
+    ("sbhd s=0 start", (0, 2, 3, 12), dict(start_positions=[1, 2])),
+    ("thd 0 tokens", (0, 3, 12), dict(tensor_format="thd", cu_seqlens=[0, 0])),
+    ("thd 0 tokens, 3 sequences", (0, 3, 12), dict(tensor_format="thd", cu_seqlens=[0, 0, 0, 0])),
+    ("thd h=0", (5, 0, 12), dict(tensor_format="thd", cu_seqlens=[0, 2, 5])),
+    ("thd positions 0 tokens", (0, 3, 12), dict(tensor_format="thd", positions=[])),
+]
+
+
+@pytest.mark.parametrize("angles", ["table", "module"])
+@pytest.mark.parametrize("name,shape,case", _ZERO_SIZE_CASES, ids=[c[0] for c in _ZERO_SIZE_CASES])
+def test_zero_size_inputs(name, shape, case, angles):
+    """Empty inputs give empty results and gradients of the input's shape, like fused=False
+    (no launch with a 0-sized grid, no division by the 0 tokens)."""
+    case = dict(case)
+    for key in ("cu_seqlens", "start_positions", "positions"):
+        if key in case:
+            case[key] = int_tensor(case[key], torch.int64)
+    freqs = _both_angle_kinds(8, 8)[angles]
+    t = torch.randn(shape, device=DEVICE)
+    (out, dt), (ref_out, ref_dt) = fused_and_unfused(t, freqs, **case)
+    assert out.shape == dt.shape == ref_out.shape == t.shape and out.dtype == t.dtype
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(dt, ref_dt)
+    # The launcher with a preallocated (empty) out, forward and backward.
+    for backward in (False, True):
+        out = torch.empty_like(t)
+        assert set_rotary_kernel(t, freqs, backward=backward, out=out, **case) is out
+
+
+@pytest.mark.parametrize("angles", ["table", "module"])
+@pytest.mark.parametrize("qkv_shape", [(0, 2, 2, 32), (3, 0, 2, 32), (3, 2, 0, 32)],
+                         ids=["s=0", "b=0", "0 kv heads"])
+def test_zero_size_fused_qkv_and_inplace(qkv_shape, angles):
+    """Fused QKV with no tokens or no kv heads: q, k, v and the packed gradient empty, of the
+    right shapes (fused=False itself fails on s=0 or b=0: test_unfused_qkv_without_tokens)."""
+    freqs = _both_angle_kinds(8, 8)[angles]
+    split = [16, 8, 8]
+    s, b, kv = qkv_shape[:3]
+    qkv = torch.randn(qkv_shape, device=DEVICE, requires_grad=True)
+    outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split)
+    assert [tuple(o.shape) for o in outs] == [(s, b, 2 * kv, 8), (s, b, kv, 8), (s, b, kv, 8)]
+    assert all(o.dtype == qkv.dtype and o.is_contiguous() for o in outs)
+    (dqkv,) = torch.autograd.grad(outs, qkv, [torch.ones_like(o) for o in outs])
+    assert dqkv.shape == qkv_shape
+    if s * b:       # 0 kv heads: the unfused formula runs, and agrees
+        refs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, fused=False)
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out, ref)
+    # The backward launcher alone, from empty gradients.
+    assert triton_rotary_kernel.set_rotary_qkv_kernel(
+        qkv.detach(), freqs, freqs, split, grads=tuple(torch.zeros_like(o) for o in outs)).shape == qkv_shape
+    # In place on an empty tensor: nothing to do, t comes back.
+    t = torch.randn(s, b, kv, 8, device=DEVICE)
+    with torch.no_grad():
+        assert apply_rotary_pos_emb_inplace(t, freqs) is t
+
+
+def test_unfused_qkv_without_tokens():
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(torch.randn(0, 2, 2, 32, device=DEVICE), freqs, freqs,
+                                             [16, 8, 8], fused=False)
+    assert q.shape == (0, 2, 4, 8) and k.shape == v.shape == (0, 2, 2, 8)
+
+
+@pytest.mark.sanitize
+def test_freqs_without_rows_give_nan():
+    """A table with 0 rows places no token: NaN in the rotated channels, the rest copied (the
+    old kernel clamped the row to freqs_len - 1 = -1 and read before the table; on a GPU
+    `make sanitize` runs this under compute-sanitizer, which reports such a read)."""
+    torch.manual_seed(31)
+    empty = torch.empty(0, 1, 1, 8, device=DEVICE)
+    cases = [  # (t, kwargs, tokens inside a sequence)
+        (torch.randn(7, 2, 12, device=DEVICE), dict(tensor_format="thd", cu_seqlens=int_tensor([0, 3, 5])),
+         torch.arange(7, device=DEVICE) < 5),
+        (torch.randn(3, 2, 2, 12, device=DEVICE), dict(positions=int_tensor([0, 1, 2])), None),
+        (torch.randn(2, 3, 2, 12, device=DEVICE),
+         dict(tensor_format="bshd", positions=int_tensor([[0, 1, 2], [2, 1, 0]])),
+         None),
+        (torch.randn(4, 2, 12, device=DEVICE), dict(tensor_format="thd", positions=int_tensor([0, 5, -1, 2])), None),
+    ]
+    for t, kwargs, inside in cases:
+        x = t.clone().requires_grad_(True)
+        out = apply_rotary_pos_emb(x, empty, **kwargs)
+        grad = torch.randn_like(t)
+        (dx,) = torch.autograd.grad(out, x, grad)
+        inside = torch.ones(t.shape[:-2], dtype=torch.bool, device=DEVICE) if inside is None else inside
+        assert out[inside][..., :8].isnan().all() and dx[inside][..., :8].isnan().all()
+        assert torch.equal(out[..., 8:], t[..., 8:]) and torch.equal(dx[..., 8:], grad[..., 8:])
+        # Tokens outside every thd sequence pass through, forward and backward.
+        assert torch.equal(out[~inside], t[~inside]) and torch.equal(dx[~inside], grad[~inside])
+        ref = apply_rotary_pos_emb(t, empty, fused=False, **kwargs)
+        assert torch.equal(out.isnan(), ref.isnan())
+    # Fused QKV with positions: q and k rotated channels NaN, v copied.
+    qkv = torch.randn(3, 2, 2, 32, device=DEVICE)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, empty, empty, [16, 8, 8], positions=int_tensor([0, 1, 2]))
+    assert q[..., :8].isnan().all() and k[..., :8].isnan().all()
+    assert torch.equal(v, qkv[..., 24:])
+
+
+def _rope_with_saved_argument(what):
+    """(loss of one forward, the argument tensor it keeps for the backward) for each kind of
+    tensor argument the backward reads."""
+    s, b, h, d = 6, 2, 2, 16
+    emb = RotaryPositionEmbedding(d, device=DEVICE)
+    t = torch.randn(s, b, h, d, device=DEVICE, requires_grad=True)
+    if what == "freqs":
+        freqs = emb(s)
+        return apply_rotary_pos_emb(t, freqs).sum(), freqs
+    if what == "module inv_freq":
+        return apply_rotary_pos_emb(t, emb, positions=torch.arange(s, device=DEVICE)).sum(), emb.inv_freq
+    if what == "start_positions":
+        start = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
+        return apply_rotary_pos_emb(t, emb(s + 4), start_positions=start).sum(), start
+    if what == "cu_seqlens":
+        cu = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
+        x = torch.randn(12, h, d, device=DEVICE, requires_grad=True)
+        return apply_rotary_pos_emb(x, emb(12), "thd", cu_seqlens=cu).sum(), cu
+    if what == "positions":
+        pos = torch.arange(s, device=DEVICE)
+        return apply_rotary_pos_emb(t, emb(2 * s), positions=pos).sum(), pos
+    qkv = torch.randn(s, b, 2, 4 * d, device=DEVICE, requires_grad=True)
+    freqs = emb(s)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [2 * d, d, d])
+    return q.sum() + k.sum() + v.sum(), freqs
+
+
+@pytest.mark.parametrize("what", ["freqs", "module inv_freq", "start_positions", "cu_seqlens",
+                                  "positions", "fused qkv freqs"])
+def test_arguments_modified_before_backward_raise(what):
+    """The tensors the backward reads besides the gradient (freqs or the module's inv_freq,
+    start_positions, cu_seqlens, positions) are saved for it: changed in place between forward
+    and backward, the backward raises PyTorch's in-place error, as TE's does, instead of
+    returning the gradient of other angles or positions. Unchanged, the backward runs."""
+    loss, _ = _rope_with_saved_argument(what)
+    loss.backward()
+    loss, argument = _rope_with_saved_argument(what)
+    with torch.no_grad():
+        argument.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_unfused_thd_pass_through_gradient():
+    """Documented: thd tokens outside every sequence pass through, forward and backward. The
+    kernel does; fused=False gives NaN gradients where such a token's would-be position is
+    outside the table."""
+    cu = int_tensor([0, 2])
+    t = torch.randn(9, 1, 8, device=DEVICE, requires_grad=True)
+    out = apply_rotary_pos_emb(t, RotaryPositionEmbedding(8, device=DEVICE)(3), "thd", cu_seqlens=cu, fused=False)
+    grad = torch.randn_like(out)
+    (dt,) = torch.autograd.grad(out, t, grad)
+    assert torch.equal(dt[2:], grad[2:])
+
+
+# =================================================================================================
+# == 6. Errors
+#    Bad input raises a ValueError or TypeError naming the argument.
+# =================================================================================================
+
+
+_BAD_ROPE_ARGS = [
+    (dict(rope_scaling={"rope_type": "ntk-magic"}), ValueError, "rope_scaling.*ntk-magic"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), ValueError, "rope_scaling.*dynamic.*supported"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+                        "original_max_position_embeddings": 4096}), ValueError, "rope_scaling.*longrope.*supported"),
+    (dict(rope_scaling={"rope_type": "linear"}), ValueError, r"rope_scaling\['factor'\]"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": "2"}), TypeError, r"rope_scaling\['factor'\]"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0}), ValueError, r"rope_scaling\['factor'\]"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}), ValueError, "low_freq_factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": 8192}), ValueError, "high_freq_factor"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError, "original_max_position_embeddings"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096}),
+     ValueError, "max_position_embeddings"),
+    (dict(rope_scaling=[("rope_type", "linear")]), TypeError, "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": 500000.0}), ValueError, "rotary_base"),
+    (dict(mrope_section=[10, 10, 10]), ValueError, "mrope_section.*sum"),
+    (dict(mrope_section=[20, 14, -2]), ValueError, "mrope_section.*non-negative"),
+    (dict(mrope_section=[16.0, 8, 8]), TypeError, "mrope_section"),
+    (dict(mrope_section=32), TypeError, "mrope_section"),
+    (dict(mrope_section=[16, 16], mrope_interleaved=True), ValueError, "mrope_section"),
+    (dict(mrope_interleaved=True), ValueError, "mrope_section"),
+    (dict(rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8]}, mrope_section=[8, 16, 8]),
+     ValueError, "mrope_section"),
+    (dict(dim=10, rotary_percent=0.5), ValueError, "even"),
+    (dict(dim=66, rotary_percent=0.01), ValueError, "even"),
+    (dict(dim=0), ValueError, "dim"),
+    (dict(rotary_percent=1.5), ValueError, "rotary_percent"),
+    (dict(rotary_base=-1.0), ValueError, "rotary_base"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,match", _BAD_ROPE_ARGS, ids=[m for _, _, m in _BAD_ROPE_ARGS])
+def test_rope_scaling_bad_arguments_raise(kwargs, error, match):
+    kwargs = dict(kwargs)
+    dim = kwargs.pop("dim", 64)
+    with pytest.raises(error, match=match):
+        RotaryPositionEmbedding(dim, device="cpu", **kwargs)
+
+
+def test_from_hf_config_bad_configs_raise():
+    with pytest.raises(ValueError, match="head_dim"):
+        RotaryPositionEmbedding.from_hf_config({"rope_theta": 10000.0})
+    per_layer = {"hidden_size": 512, "num_attention_heads": 8,
+                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    with pytest.raises(ValueError, match="rope_parameters"):
+        RotaryPositionEmbedding.from_hf_config(per_layer)
+    with pytest.raises(ValueError, match="rope_scaling.*dynamic"):
+        RotaryPositionEmbedding.from_hf_config({"hidden_size": 512, "num_attention_heads": 8,
+                                                "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+
+
+def test_inplace_rejects_training_and_overlap():
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    t = torch.randn(4, 2, 3, 16, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="t requires grad"):
+        apply_rotary_pos_emb_inplace(t, freqs)
+    with pytest.raises(ValueError, match="overlapping memory"):
+        apply_rotary_pos_emb_inplace(torch.randn(1, 1, 3, 16, device=DEVICE).expand(4, 2, 3, 16), freqs)
+
+
+def _valid_args():
+    return dict(t=torch.randn(4, 2, 3, 16, device=DEVICE), freqs=RotaryPositionEmbedding(16, device=DEVICE)(8))
+
+
+def _thd_args(**extra):
+    return dict(t=torch.randn(6, 3, 16, device=DEVICE), freqs=RotaryPositionEmbedding(16, device=DEVICE)(8),
+                tensor_format="thd", **extra)
+
+
+# (name, how to break the arguments, error type, text the message must contain)
+BAD_INPUTS = [
+    ("t not a tensor", lambda a: a.update(t=[[1.0]]), TypeError, "t must be a torch.Tensor"),
+    ("t integer", lambda a: a.update(t=a["t"].int()), TypeError, "t must be float32"),
+    ("t rank vs format", lambda a: a.update(t=a["t"][0]), ValueError, "t must be 4-D"),
+    ("thd rank", lambda a: a.update(tensor_format="thd", cu_seqlens=int_tensor([0, 4])), ValueError, "t must be 3-D"),
+    ("unknown format", lambda a: a.update(tensor_format="sbdh"), ValueError, "tensor_format must be one of"),
+    ("freqs not a tensor", lambda a: a.update(freqs=1.0), TypeError, "freqs must be a torch.Tensor"),
+    ("freqs integer", lambda a: a.update(freqs=a["freqs"].int()), TypeError, "freqs must be a floating-point"),
+    ("freqs 2-D", lambda a: a.update(freqs=a["freqs"][:, 0, 0]), ValueError, "freqs must have shape [s2, 1, 1, d2]"),
+    ("freqs [s2,b,1,d2]", lambda a: a.update(freqs=a["freqs"].expand(8, 2, 1, 16)), ValueError,
+     "freqs must have shape"),
+    ("odd d2", lambda a: a.update(freqs=a["freqs"][..., :15]), ValueError, "must be even"),
+    ("d2 > d", lambda a: a.update(freqs=RotaryPositionEmbedding(32, device=DEVICE)(8)), ValueError,
+     "exceeds t's head dim"),
+    ("freqs too short", lambda a: a.update(freqs=a["freqs"][:3]), ValueError, "freqs has 3 positions"),
+    ("s * cp_size > s2", lambda a: a.update(cp_size=4, cp_rank=0), ValueError, "s * cp_size = 4 * 4"),
+    ("odd local length under cp", lambda a: a.update(t=a["t"][:3], cp_size=2), ValueError, "must be even"),
+    ("cp_rank >= cp_size", lambda a: a.update(cp_size=2, cp_rank=2), ValueError, "cp_rank must be in [0, cp_size=2)"),
+    ("cp_rank negative", lambda a: a.update(cp_rank=-1), ValueError, "cp_rank must be in"),
+    ("cp_size 0", lambda a: a.update(cp_size=0), ValueError, "cp_size must be >= 1"),
+    ("cp_size float", lambda a: a.update(cp_size=2.0), TypeError, "cp_size must be an int"),
+    ("interleaved not bool", lambda a: a.update(interleaved=1), TypeError, "interleaved must be a bool"),
+    ("cu_seqlens missing", lambda a: a.update(_thd_args()), ValueError, "cu_seqlens is required"),
+    ("cu_seqlens float", lambda a: a.update(_thd_args(cu_seqlens=int_tensor([0, 6], torch.float32))), TypeError,
+     "cu_seqlens must be int32 or int64"),
+    ("cu_seqlens 2-D", lambda a: a.update(_thd_args(cu_seqlens=int_tensor([[0, 6]]))), ValueError,
+     "cu_seqlens must be 1-D"),
+    ("cu_seqlens one entry", lambda a: a.update(_thd_args(cu_seqlens=int_tensor([0]))), ValueError,
+     "at least 2 entries"),
+    ("cu_seqlens with sbhd", lambda a: a.update(cu_seqlens=int_tensor([0, 4])), ValueError,
+     "only valid with tensor_format='thd'"),
+    ("start_positions length", lambda a: a.update(start_positions=int_tensor([0, 1, 2])), ValueError,
+     "start_positions must have 2 entries"),
+    ("start_positions float", lambda a: a.update(start_positions=int_tensor([0, 1], torch.float32)), TypeError,
+     "start_positions must be int32 or int64"),
+    ("start_positions list", lambda a: a.update(start_positions=[0, 1]), TypeError,
+     "start_positions must be a torch.Tensor"),
+    ("start_positions with cp", lambda a: a.update(start_positions=int_tensor([0, 1]), cp_size=2), ValueError,
+     "not supported with cp_size > 1"),
+    ("freqs on another device", lambda a: a.update(freqs=a["freqs"].to("meta")), TypeError, "freqs is on meta"),
+    ("cu_seqlens on another device", lambda a: a.update(_thd_args(cu_seqlens=int_tensor([0, 6]).to("meta"))), TypeError,
+     "cu_seqlens is on meta"),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("name,breaker,error,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_named_error(name, breaker, error, message, fused):
+    args = _valid_args()
+    breaker(args)
+    with pytest.raises(error, match=re.escape(message)):
+        apply_rotary_pos_emb(fused=fused, **args)
+
+
+def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
+    monkeypatch.setattr(triton_rotary_kernel, "_interpreting", lambda: False)
+    t = torch.randn(4, 2, 3, 16)
+    with pytest.raises(TypeError, match="needs a CUDA tensor"):
+        apply_rotary_pos_emb(t, RotaryPositionEmbedding(16, device="cpu")(8))
+
+
+_QKV_BAD = [  # (how to break the valid call, error, text naming the argument)
+    (lambda a: a.update(qkv=a["qkv"].int()), TypeError, "qkv must be float32"),
+    (lambda a: a.update(qkv=[1.0]), TypeError, "qkv must be a torch.Tensor"),
+    (lambda a: a.update(qkv=a["qkv"][0]), ValueError, "qkv must be 4-D"),
+    (lambda a: a.update(q_freqs=1.0), TypeError, "q_freqs must be a torch.Tensor"),
+    (lambda a: a.update(k_freqs=a["k_freqs"].int()), TypeError, "k_freqs must be a floating-point"),
+    (lambda a: a.update(q_freqs=a["q_freqs"][:, 0]), ValueError, "q_freqs must have shape [s2, 1, 1, d2]"),
+    (lambda a: a.update(k_freqs=a["k_freqs"][:3]), ValueError, "k_freqs has 3 positions"),
+    (lambda a: a.update(k_freqs=a["k_freqs"][..., :7]), ValueError, "k_freqs' last dimension"),
+    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(16, device=DEVICE)(8)), ValueError,
+     "q_freqs' rotary dim d2=16 exceeds qkv's head dim"),
+    (lambda a: a.update(k_freqs=a["k_freqs"].to("meta")), TypeError, "k_freqs is on meta but qkv is on"),
+    (lambda a: a.update(start_positions=int_tensor([0, 1]).to("meta")), TypeError,
+     "start_positions is on meta but qkv"),
+    (lambda a: a.update(positions=int_tensor([0, 1, 2, 3]).to("meta")), TypeError, "positions is on meta but qkv"),
+    (lambda a: a.update(positions=int_tensor([0, 1, 2])), ValueError, "positions must have shape"),
+    (lambda a: a.update(q_freqs=RotaryPositionEmbedding(8, device=DEVICE)), TypeError,
+     "q_freqs and k_freqs must be of one kind"),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("breaker,error,message", _QKV_BAD, ids=[m for _, _, m in _QKV_BAD])
+def test_qkv_errors_name_qkv_arguments(breaker, error, message, fused):
+    """Errors of apply_fused_qkv_rotary_pos_emb name its own arguments, not the 't' and
+    'freqs' of the shared checks, which the caller never passed."""
+    args = dict(qkv=torch.randn(4, 2, 2, 32, device=DEVICE), q_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8),
+                k_freqs=RotaryPositionEmbedding(8, device=DEVICE)(8) * 0.5, qkv_split_arg_list=[16, 8, 8])
+    breaker(args)
+    with pytest.raises(error, match=re.escape(message)) as info:
+        apply_fused_qkv_rotary_pos_emb(fused=fused, **args)
+    assert not re.search(r"(?<![\w'])t(?![\w'])|\bfreqs\b", str(info.value)), str(info.value)
+
+
+def test_qkv_error_without_interpreter_names_qkv(monkeypatch):
+    monkeypatch.setattr(triton_rotary_kernel, "_interpreting", lambda: False)
+    freqs = RotaryPositionEmbedding(8, device="cpu")(8)
+    with pytest.raises(TypeError, match=r"^qkv is on cpu: the Triton kernel needs a CUDA tensor"):
+        apply_fused_qkv_rotary_pos_emb(torch.randn(4, 2, 2, 32), freqs, freqs, [16, 8, 8])
+
+
+class _DuckRope:
+    """Anything with a RotaryPositionEmbedding's attributes is taken as one."""
+    def __init__(self, inv_freq, n_axes=1, pair_axis=None, interleaved=False):
+        self.inv_freq, self.n_axes, self.pair_axis = inv_freq, n_axes, pair_axis
+        self.interleaved, self.attention_scaling = interleaved, 1.0
+
+
+def test_duck_typed_modules_are_checked():
+    """A module's own fields are input too: a missing pair_axis is named, an axis outside
+    [0, n_axes) gives NaN (never a read outside positions), a negative-bit inv_freq is read
+    with its sign."""
+    inv = RotaryPositionEmbedding(8, device=DEVICE).inv_freq
+    t = torch.randn(5, 2, 3, 8, device=DEVICE)
+    pos = torch.randint(0, 50, (3, 5), device=DEVICE)
+    with pytest.raises(TypeError, match="pair_axis"):
+        apply_rotary_pos_emb(t, _DuckRope(inv, n_axes=3), positions=pos)
+    bad_axis = torch.tensor([0, 1, 7, -1], dtype=torch.int32, device=DEVICE)
+    for dtype in (torch.float32, torch.float64):     # float64 computes its angles apart
+        out = apply_rotary_pos_emb(t.to(dtype), _DuckRope(inv, 3, bad_axis), positions=pos)
+        assert out[..., [2, 3, 6, 7]].isnan().all() and out[..., [0, 1, 4, 5]].isfinite().all()
+    neg = torch._neg_view(-inv)
+    torch.testing.assert_close(apply_rotary_pos_emb(t, _DuckRope(neg)),
+                               apply_rotary_pos_emb(t, _DuckRope(inv)))
+
+
+def test_qkv_backward_grads_and_overlapping_out_are_rejected():
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
+    dq, dk = torch.randn(4, 2, 4, 8, device=DEVICE), torch.randn(4, 2, 2, 8, device=DEVICE)
+    with pytest.raises(TypeError, match="dq, dk, dv"):
+        triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], grads=(dq, dk))
+    buffer = torch.randn(2 * 4 * 2 * 3 * 8, device=DEVICE)
+    t = buffer[: 4 * 2 * 3 * 8].view(4, 2, 3, 8)
+    out = buffer[8: 8 + 4 * 2 * 3 * 8].view(4, 2, 3, 8)       # overlaps t, shifted by a head
+    with pytest.raises(ValueError, match="share memory with t"):
+        set_rotary_kernel(t, freqs, out=out)
+    # The same layouts, planned first with an out apart from t: whether memory is shared is
+    # a matter of pointers, which no plan's key holds.
+    apart = torch.empty_like(t)
+    set_rotary_kernel(t, freqs, out=apart)
+    with pytest.raises(ValueError, match="share memory with t"):
+        set_rotary_kernel(t, freqs, out=out)
+
+
+def test_out_of_another_shape_is_rejected():
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    t = torch.randn(4, 2, 3, 8, device=DEVICE)
+    buffer = torch.zeros(t.numel(), device=DEVICE)     # the writes past out stay inside it
+    out = buffer[: t.numel() // 2].view(2, 2, 3, 8)
+    with pytest.raises(ValueError, match="out"):
+        set_rotary_kernel(t, freqs, out=out)
 
 
 def _positions_error_args(**extra):
@@ -2603,7 +1816,7 @@ _BAD_POSITIONS = [
      ValueError, "positions and start_positions cannot be combined"),
     ("with cp_size > 1", lambda: _positions_error_args(cp_size=2, cp_rank=1), ValueError,
      "positions cannot be combined with cp_size > 1"),
-    ("thd with cu_seqlens", lambda: _thd_positions_error_args(cu_seqlens=_ints([0, 6])), ValueError,
+    ("thd with cu_seqlens", lambda: _thd_positions_error_args(cu_seqlens=int_tensor([0, 6])), ValueError,
      "give cu_seqlens or positions"),
     ("thd [1, t]", lambda: _thd_positions_error_args(positions=_long(1, 6)), ValueError,
      "positions must have shape [t]"),
@@ -2613,12 +1826,12 @@ _BAD_POSITIONS = [
     ("call interleaved, module not", lambda: _positions_error_args(interleaved=True), ValueError,
      "interleaved=True but freqs was built with interleaved=False"),
     # M-RoPE: the axis dim must be there, with the module's number of axes
-    ("M-RoPE module, one-axis positions", lambda: _positions_error_args(freqs=_mrope_module(False, 16, [2, 3, 3])),
+    ("M-RoPE module, one-axis positions", lambda: _positions_error_args(freqs=mrope_module(False, 16, [2, 3, 3])),
      ValueError, "positions must have shape [3, s] or [3, b, s]"),
     ("M-RoPE module, two axes", lambda: _positions_error_args(
-        freqs=_mrope_module(False, 16, [2, 3, 3]), positions=_long(2, 2, 4)), ValueError,
+        freqs=mrope_module(False, 16, [2, 3, 3]), positions=_long(2, 2, 4)), ValueError,
      "positions must have shape [3, s] or [3, b, s]"),
-    ("M-RoPE module, thd [t]", lambda: _thd_positions_error_args(freqs=_mrope_module(True, 16, [4, 2, 2])),
+    ("M-RoPE module, thd [t]", lambda: _thd_positions_error_args(freqs=mrope_module(True, 16, [4, 2, 2])),
      ValueError, "positions must have shape [3, t]"),
     ("M-RoPE positions for a table", lambda: _positions_error_args(
         freqs=RotaryPositionEmbedding(16, device=DEVICE)(8), positions=_long(3, 2, 4)),
@@ -2655,15 +1868,234 @@ def test_fused_qkv_bad_positions_raise_named_error():
                 apply_fused_qkv_rotary_pos_emb(qkv, emb, emb, [16, 16, 16], fused=fused, **kwargs)
     # one autograd function serves both, so q and k must agree on the number of axes
     with pytest.raises(TypeError, match="q_freqs and k_freqs must be of one kind"):
-        apply_fused_qkv_rotary_pos_emb(qkv, _mrope_module(False, 16, [2, 3, 3]), emb, [16, 16, 16])
+        apply_fused_qkv_rotary_pos_emb(qkv, mrope_module(False, 16, [2, 3, 3]), emb, [16, 16, 16])
+
+
+# =================================================================================================
+# == 7. Integration
+#    Torch.compile, opcheck of the custom ops, CUDA graphs, context parallelism across
+#    processes.
+# =================================================================================================
+
+
+def _compiled_variants():
+    return sum(len(cache[0]) for cache in triton_rotary_kernel.rotary_kernel.device_caches.values())
+
+
+def test_torch_compile_fullgraph():
+    """No graph break (fullgraph=True), same values forward and backward, and no new Triton
+    compilation when only the sequence length changes."""
+    torch.manual_seed(10)
+    freqs = RotaryPositionEmbedding(32, device=DEVICE)(64)
+
+    def step(x, f):
+        return (apply_rotary_pos_emb(x, f) * 2).sum(dim=-1)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    variants = []
+    for seq_len in (32, 48, 64):
+        t = torch.randn(seq_len, 2, 3, 32, device=DEVICE)
+        x1, x2 = t.clone().requires_grad_(True), t.clone().requires_grad_(True)
+        out, ref = compiled(x1, freqs), step(x2, freqs)
+        torch.testing.assert_close(out, ref)
+        grad = torch.randn_like(out)
+        torch.testing.assert_close(torch.autograd.grad(out, x1, grad)[0], torch.autograd.grad(ref, x2, grad)[0])
+        if ON_GPU:
+            variants.append(_compiled_variants())
+    if ON_GPU:
+        assert variants[0] == variants[1] == variants[2], variants
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_capture_and_replay():
+    torch.manual_seed(11)
+    freqs = RotaryPositionEmbedding(64, device=DEVICE)(40)
+    cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32, device=DEVICE)
+    cases = [dict(tensor_format="sbhd", shape=(33, 2, 4, 64)),
+             dict(tensor_format="thd", shape=(32, 4, 64), cu_seqlens=cu),
+             dict(tensor_format="bshd", shape=(2, 33, 4, 64),
+                  start_positions=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE))]
+    for case in cases:
+        case = dict(case)
+        shape = case.pop("shape")
+        x = torch.randn(shape, device=DEVICE, requires_grad=True)
+        grad = torch.randn(shape, device=DEVICE)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                       # warm-up (compiles) off the graph
+            torch.autograd.grad(apply_rotary_pos_emb(x, freqs, **case), x, grad)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = apply_rotary_pos_emb(x, freqs, **case)
+            (gx,) = torch.autograd.grad(out, x, grad)
+        for _ in range(2):
+            with torch.no_grad():
+                x.copy_(torch.randn(shape, device=DEVICE))
+                grad.copy_(torch.randn(shape, device=DEVICE))
+            graph.replay()
+            x_eager = x.detach().clone().requires_grad_(True)
+            out_eager = apply_rotary_pos_emb(x_eager, freqs, **case)
+            assert torch.equal(out, out_eager)
+            assert torch.equal(gx, torch.autograd.grad(out_eager, x_eager, grad)[0])
+
+
+def test_torch_compile_fused_qkv_and_inplace():
+    """fullgraph=True (no graph break) through the fused-QKV op, forward and backward, and
+    through the in-place op under no_grad; the same values as eager."""
+    torch.manual_seed(36)
+    q_freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
+    k_freqs = q_freqs * 0.5
+
+    def step(x):
+        q, k, v = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [16, 8, 8])
+        return (q * 2).sum(dim=-1), k - 1, v * 3
+
+    compiled = torch.compile(step, fullgraph=True)
+    qkv = torch.randn(6, 2, 2, 32, device=DEVICE)
+    x1, x2 = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
+    outs, refs = compiled(x1), step(x2)
+    grads = [torch.randn_like(o) for o in refs]
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(outs, x1, grads)[0], torch.autograd.grad(refs, x2, grads)[0])
+
+    def rotate_in_place(x):
+        apply_rotary_pos_emb_inplace(x[..., :8], q_freqs)
+        return x * 2
+
+    compiled_inplace = torch.compile(rotate_in_place, fullgraph=True)
+    t = torch.randn(6, 2, 3, 12, device=DEVICE)
+    expected = torch.cat((apply_rotary_pos_emb(t[..., :8], q_freqs, fused=False), t[..., 8:]), dim=-1)
+    with torch.no_grad():
+        x = t.clone()
+        result = compiled_inplace(x)
+    torch.testing.assert_close(x, expected)                    # mutated through the view
+    torch.testing.assert_close(result, expected * 2)
+
+
+def _opcheck_cases():
+    """(op, args) for each custom op, with the argument lists _rope_launch / _qkv_launch use."""
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(4)[:, :, :, :].float()
+    module = RotaryPositionEmbedding(8, device=DEVICE)
+    t = torch.randn(4, 2, 2, 10, device=DEVICE)
+    table = (freqs, None, False, 1, 1.0)
+    angles = (module.inv_freq, None, True, 1, 1.0)
+    ops = torch.ops.triton_rotary
+    qkv = torch.randn(4, 2, 1, 30, device=DEVICE)
+    grads = (torch.randn(4, 2, 1, 10, device=DEVICE),) * 2 + (torch.randn(4, 2, 1, 10, device=DEVICE),)
+    return [
+        ("rope table", ops.rope.default, (t, *table, "sbhd", None, False, None, 1, 0, None, False)),
+        ("rope module backward", ops.rope.default,
+         (t, *angles, "bshd", None, False, None, 1, 0, int_tensor([[3, 1], [0, 2], [1, 1], [5, 0]]), True)),
+        ("rope thd", ops.rope.default,
+         (t[:, 0], *table, "thd", None, True, int_tensor([0, 1, 4]), 1, 0, None, False)),
+        ("rope_ table", ops.rope_.default, (t.clone(), *table, "sbhd", int_tensor([0, 0]), False, None, 1, 0, None)),
+        ("rope_ module", ops.rope_.default, (t.clone(), *angles, "sbhd", None, False, None, 2, 1, None)),
+        ("qkv_rope table", ops.qkv_rope.default,
+         (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None)),
+        ("qkv_rope module", ops.qkv_rope.default,
+         (qkv, module.inv_freq, None, module.inv_freq, None, True, 1, 1.0, 0.5, [10, 10, 10], "bshd",
+          int_tensor([1, 0, 2, 3]), False, 1, 0, None)),
+        ("qkv_rope_backward", ops.qkv_rope_backward.default,
+         (*grads, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0, None)),
+    ]
+
+
+_OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd", "rope_ table", "rope_ module",
+                  "qkv_rope table", "qkv_rope module", "qkv_rope_backward")
+
+
+@pytest.mark.parametrize("name", _OPCHECK_NAMES)
+def test_opcheck_custom_ops(name):
+    """torch.library.opcheck: schema (mutation declared for rope_ only), fake kernels that
+    agree with the real ones in shape, strides and dtype, and AOT dispatch."""
+    cases = {case_name: (op, args) for case_name, op, args in _opcheck_cases()}
+    assert set(cases) == set(_OPCHECK_NAMES)
+    op, args = cases[name]
+    torch.library.opcheck(op, args)
+
+
+def _cp_split(x, cu_seqlens, cp_size, rank, dim=0):
+    """Rank `rank`'s tokens under TE's load-balanced split: each sequence (the whole dim for
+    sbhd, each cu_seqlens span for thd) is cut into 2*cp_size chunks and the rank keeps chunks
+    rank and 2*cp_size-1-rank."""
+    spans = list(zip(cu_seqlens[:-1], cu_seqlens[1:])) if cu_seqlens else [(0, x.shape[dim])]
+    pieces = []
+    for start, end in spans:
+        chunks = x.narrow(dim, start, end - start).chunk(2 * cp_size, dim=dim)
+        pieces += [chunks[rank], chunks[2 * cp_size - 1 - rank]]
+    return torch.cat(pieces, dim=dim)
+
+
+def _cp_worker(rank, world_size, init_file, tensor_format, results):
+    """One context-parallel rank: RoPE on its own tokens, then all_gather to rank 0."""
+    import torch.distributed as dist
+    use_nccl = ON_GPU
+    device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
+    if use_nccl:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)                       # every rank builds the same global tensors
+        cu = [0, 8 * world_size, 12 * world_size, 28 * world_size] if tensor_format == "thd" else None
+        shape = (cu[-1], 3, 32) if cu else (16 * world_size, 2, 3, 32)
+        full = torch.randn(shape, device=device)
+        grad = torch.randn(shape, device=device)
+        freqs = RotaryPositionEmbedding(32, device=device)(shape[0])
+        kwargs = dict(tensor_format=tensor_format, cp_size=world_size, cp_rank=rank)
+        if cu:
+            kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
+        local = _cp_split(full, cu, world_size, rank).requires_grad_(True)
+        out = apply_rotary_pos_emb(local, freqs, **kwargs)
+        (dx,) = torch.autograd.grad(out, local, _cp_split(grad, cu, world_size, rank))
+        gathered = [[torch.empty_like(out) for _ in range(world_size)] for _ in range(2)]
+        dist.all_gather(gathered[0], out.detach().contiguous())
+        dist.all_gather(gathered[1], dx.contiguous())
+        if rank == 0:
+            # Undo the split: put every rank's chunks back where they came from.
+            index = _cp_split(torch.arange(shape[0], device=device), cu, 1, 0)
+            order = torch.cat([_cp_split(index, cu, world_size, r) for r in range(world_size)])
+            whole_out, whole_dx = torch.empty_like(full), torch.empty_like(full)
+            whole_out[order] = torch.cat(gathered[0])
+            whole_dx[order] = torch.cat(gathered[1])
+            x = full.clone().requires_grad_(True)
+            single_kwargs = dict(tensor_format=tensor_format, cu_seqlens=kwargs.get("cu_seqlens"))
+            ref = apply_rotary_pos_emb(x, freqs, **single_kwargs)
+            (ref_dx,) = torch.autograd.grad(ref, x, grad)
+            torch.testing.assert_close(whole_out, ref.detach())
+            torch.testing.assert_close(whole_dx, ref_dx)
+            results.put("ok")
+    except Exception as err:   # report, then let the other ranks finish
+        results.put(f"rank {rank}: {err!r}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_across_processes(world_size, tensor_format, tmp_path):
+    """Split a sequence the load-balanced way over real ranks (gloo on CPU through the
+    interpreter, NCCL on GPUs), rotate each piece with its own cp_rank, gather, undo the split:
+    the same as one process rotating the whole sequence, forward and backward."""
+    import torch.multiprocessing as mp
+    if ON_GPU and torch.cuda.device_count() < world_size:
+        pytest.skip(f"NCCL run needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_cp_worker, args=(world_size, str(tmp_path / "rendezvous"), tensor_format, results),
+                       nprocs=world_size, join=True, start_method="spawn")
+    assert results.get() == "ok"
 
 
 def test_torch_compile_fullgraph_module_and_positions():
     """A compiled step with a module and positions (a one-axis yarn module and an M-RoPE one):
     no graph break, the same values forward and backward as eager."""
     torch.manual_seed(44)
-    emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=_YARN)
-    mrope = _mrope_module(True)
+    emb = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=YARN)
+    mrope = mrope_module(True)
     b, s = 2, 6
 
     def step(x, pos, axis_pos):
@@ -2681,246 +2113,400 @@ def test_torch_compile_fullgraph_module_and_positions():
     torch.testing.assert_close(torch.autograd.grad(out, x1, grad)[0], torch.autograd.grad(ref, x2, grad)[0])
 
 
-# M-RoPE against transformers' own Qwen2-VL / Qwen3-VL text rotary modules
-# (`_mrope_configs` and `_hf_mrope_module` above: head_dim 32, rope_theta 100).
-
-@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
-def test_mrope_matches_transformers(interleaved):
-    """transformers 5 applies M-RoPE with the models' `apply_rotary_pos_emb` (q, k [b, h, s, d],
-    cos/sin [b, s, d] recomposed per axis by the rotary module); ours takes the same tensors as
-    bshd views and the [3, b, s] position ids."""
-    tf = _transformers()
-    _quiet_transformers(tf)
-    import importlib
-    model = "qwen3_vl" if interleaved else "qwen2_vl"
-    hf_apply = importlib.import_module(f"transformers.models.{model}.modeling_{model}").apply_rotary_pos_emb
-    text, _, _ = _mrope_configs(tf, interleaved)
-    hf_rope = _hf_mrope_module(tf, text, interleaved)
-    emb = RotaryPositionEmbedding.from_hf_config(text, device=DEVICE)
-    torch.manual_seed(45)
-    b, s, heads, kv_heads, d = 2, 10, 2, 1, 32
-    pos = torch.randint(0, 4096, (3, b, s))
-    q, k = torch.randn(b, heads, s, d), torch.randn(b, kv_heads, s, d)
-    cos, sin = hf_rope(q, pos)
-    hf_q, hf_k = hf_apply(q, k, cos, sin)
-    pair_pos = _pair_positions(pos, d // 2, _mrope_axis_rule(text.rope_parameters["mrope_section"], interleaved))
-    for x, hf_out in ((q, hf_q), (k, hf_k)):
-        ours = apply_rotary_pos_emb(x.transpose(1, 2).to(DEVICE), emb, "bshd", positions=pos.to(DEVICE))
-        ours = ours.transpose(1, 2).cpu()
-        # transformers rounds position * inv_freq to float32 (up to 2^-13 rad below 4096, so up to
-        # ~6e-4 on these values); a wrong axis or pair layout would be off by O(1)
-        torch.testing.assert_close(ours, hf_out, rtol=0, atol=1e-3)
-        ref = _rotate64(x.transpose(1, 2), pair_pos, emb.inv_freq, False).transpose(1, 2)
-        assert _rel_error(ours, ref) < EXACT_REL_TOL
-        assert _rel_error(ours, ref) < _rel_error(hf_out, ref)
+# =================================================================================================
+# == 8. Launcher internals
+#    The thd search, launch rule and grid, the plan cache, the compiled kernels' launcher, the
+#    generated code.
+# =================================================================================================
 
 
-def _vl_positions(sequences):
-    """[3, t] M-RoPE position ids of packed sequences as Qwen2-VL's get_rope_index lays them out:
-    text advances all three axes together; an image (frames, rows, cols) grid keeps its start on
-    every axis plus frame / row / column index on the temporal / height / width axis, and the
-    text after it resumes at one past the largest position used. Each sequence starts at 0."""
-    columns = []
-    for segments in sequences:
-        start = 0
-        for seg in segments:
-            if seg[0] == "text":
-                p = torch.arange(seg[1]) + start
-                columns.append(torch.stack([p, p, p]))
-            else:
-                _, frames, rows, cols = seg
-                f, r, c = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
-                columns.append(torch.stack([f.flatten(), r.flatten(), c.flatten()]) + start)
-            start = int(columns[-1].max()) + 1
-    return torch.cat(columns, dim=1)
+@triton.jit
+def _tile_sequences_probe(CU_SEQLENS, SEQ, SEQ_START, SEQ_END, num_tokens, num_seqs, cp_size,
+                          BLOCK_T: tl.constexpr, SEARCH_LEVELS: tl.constexpr):
+    """The thd sequence search of rotary_kernel for tiles of BLOCK_T tokens (its tokens as the
+    kernel picks them), its results stored per token."""
+    tok, ok, _, _ = _program_tokens(tl.program_id(0), num_tokens, 0, 1, BLOCK_T, True, True)
+    seq, seq_start, seq_end = _tile_sequences(CU_SEQLENS, tl.program_id(0) * BLOCK_T,
+                                              (tok.to(tl.int64) + 1) * cp_size, num_seqs, cp_size,
+                                              SEARCH_LEVELS)
+    tl.store(SEQ + tok, seq, mask=ok)
+    tl.store(SEQ_START + tok, seq_start, mask=ok)
+    tl.store(SEQ_END + tok, seq_end, mask=ok)
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2_vl", "qwen3_vl"])
-def test_mrope_exact_and_packed(interleaved):
-    """M-RoPE against the float64 reference, forward and backward: (a) random positions up to
-    2^24 - 1 on each axis, bshd [3, b, s] and sbhd [3, s]; (b) thd with images, a video and text
-    packed into three sequences, where positions jump, repeat and differ across axes."""
-    emb = _mrope_module(interleaved)
-    axis = _mrope_axis_rule(emb.mrope_section, interleaved)
-    gen = torch.Generator().manual_seed(46)
-    s, b, h, d = 5, 2, 2, 40
-    packed = _vl_positions([[("text", 3), ("image", 1, 2, 3), ("text", 2)],
-                            [("image", 2, 2, 2), ("text", 4)],
-                            [("text", 2), ("image", 1, 3, 1), ("text", 1)]])
-    assert packed.shape == (3, 29) and not torch.equal(packed[0], packed[1])
-    cases = [("bshd", (b, s, h, d), _random_exact_positions(gen, 3, b, s), None),
-             ("sbhd", (s, b, h, d), _random_exact_positions(gen, 3, s), lambda p: p[:, :, None].expand(3, s, b)),
-             ("thd", (29, h, d), packed, None)]
-    for fmt, shape, pos, as_tokens in cases:
-        t = torch.randn(shape, generator=gen).to(DEVICE)
-        grad = torch.randn(shape, generator=gen).to(DEVICE)
-        out, dx = _fwd_bwd(t, emb, grad, tensor_format=fmt, positions=pos.to(DEVICE))
-        pair_pos = _pair_positions(as_tokens(pos) if as_tokens else pos, 16, axis)
-        ref = _rotate64(t, pair_pos, emb.inv_freq, False)
-        ref_dx = _rotate64(grad, pair_pos, emb.inv_freq, False, transpose=True)
-        lead = len(shape) - 2
-        for got, expected in ((out, ref), (dx, ref_dx)):
-            assert _rel_error(got, expected) < EXACT_REL_TOL, fmt
-            assert _worst_token_rel_error(got, expected, lead) < EXACT_REL_TOL, fmt
-        # the unfused path (float64 angles, float32 cos/sin) agrees as well
-        unfused = _fwd_bwd(t, emb, grad, tensor_format=fmt, positions=pos.to(DEVICE), fused=False)
-        torch.testing.assert_close(out, unfused[0])
-        torch.testing.assert_close(dx, unfused[1])
+def _lengths_cu(lengths, start=0):
+    return list(itertools.accumulate(lengths, initial=start))
 
 
-def test_mrope_text_positions_reduce_to_rope():
-    """Text only (all axes equal) M-RoPE is plain RoPE: the module without positions, with [3, s]
-    positions all equal to the index, and the plain module give the same result."""
-    torch.manual_seed(47)
-    t = torch.randn(6, 2, 2, 40, device=DEVICE)
-    plain = apply_rotary_pos_emb(t, RotaryPositionEmbedding(32, device=DEVICE))
+# (cu_seqlens, tokens past its end, cp_size, tokens per tile): a tile crossing few sequence ends
+# (read from one vector of cu_seqlens after the first token's search) or many (every token
+# searched on its own).
+_TILE_SEARCH_CASES = {
+    "long sequences": (_lengths_cu([64] * 16), 0, 1, 8),
+    "one-token tiles": (_lengths_cu([3, 1, 5, 2] * 4), 0, 1, 1),
+    "short and empty sequences": (_lengths_cu([0, 1, 0, 2, 1, 0, 0, 3] * 40), 0, 1, 16),
+    "tokens before and after": (_lengths_cu([7, 0, 9, 30, 1, 1, 1, 12], start=5), 11, 1, 8),
+    "context parallel": (_lengths_cu([8, 4, 12, 0, 16, 4] * 3), 0, 2, 4),
+    "5000 sequences": (_lengths_cu([1, 2, 0, 3, 1] * 1000), 0, 1, 8),
+}
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("case", list(_TILE_SEARCH_CASES))
+def test_tile_sequence_search_matches_searchsorted(case, index_dtype):
+    """Each token's sequence (the last i with cu[i] // cp_size <= token, 0 if none) and its
+    bounds, whether the tile's tokens come from the vector after the first token's sequence
+    or (many sequence ends in one tile) from a search of their own."""
+    cu, past_end, cp_size, block_t = _TILE_SEARCH_CASES[case]
+    cu_seqlens = torch.tensor(cu, dtype=index_dtype, device=DEVICE)
+    num_seqs = len(cu) - 1
+    num_tokens = cu[-1] // cp_size + past_end
+    seq, seq_start, seq_end = (torch.full((num_tokens,), -1, dtype=index_dtype, device=DEVICE)
+                               for _ in range(3))
+    _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
+        cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, BLOCK_T=block_t,
+        SEARCH_LEVELS=triton_rotary_kernel._search_levels(num_seqs))
+    local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
+    tokens = torch.arange(num_tokens)
+    expected = (torch.searchsorted(local_cu, tokens, right=True) - 1).clamp(min=0)
+    assert seq.cpu().tolist() == expected.tolist()
+    torch.testing.assert_close(seq_start.cpu().long(), torch.tensor(cu)[expected])
+    torch.testing.assert_close(seq_end.cpu().long(), torch.tensor(cu)[(expected + 1).clamp(max=num_seqs)])
+
+
+@pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
+def test_other_launch_configs(monkeypatch, tile, min_programs):
+    """Tiles from one channel row up to several tokens (within or across batch entries and
+    thd sequences), tails of the token grid, and tiles shrunk to give a big GPU enough
+    programs: all give the same result."""
+    if ON_GPU:
+        monkeypatch.setattr(triton_rotary_kernel, "TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "SEARCH_TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "QKV_TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "MIN_PROGRAMS_PER_SM", min_programs)
+    else:
+        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_MIN_PROGRAMS", min_programs)
+    torch.manual_seed(9)
     for interleaved in (False, True):
-        mrope = _mrope_module(interleaved)
-        assert torch.equal(apply_rotary_pos_emb(t, mrope), plain)
-        same = torch.arange(6, device=DEVICE).expand(3, 6)
-        assert torch.equal(apply_rotary_pos_emb(t, mrope, positions=same), plain)
+        freqs = RotaryPositionEmbedding(16, interleaved=interleaved, device=DEVICE)(7)
+        for batch in (3, 4):
+            t = torch.randn(7, batch, 5, 24, device=DEVICE)
+            compare(apply_rotary_pos_emb, t, non_overlapping_grad, "unfused", freqs=freqs,
+                     interleaved=interleaved)
+        cu = torch.tensor([0, 2, 9, 13], dtype=torch.int32, device=DEVICE)
+        t = torch.randn(15, 5, 24, device=DEVICE)
+        compare(apply_rotary_pos_emb, t, non_overlapping_grad, "unfused", freqs=freqs, interleaved=interleaved,
+                 tensor_format="thd", cu_seqlens=cu)
+    # Fused QKV: multi-head (key programs' kv heads cut down to a query tile's size) and
+    # grouped-query with a narrow v.
+    for kv_heads, split in ((5, [16, 16, 40]), (3, [48, 16, 8])):
+        qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE)
+        compare_qkv(qkv, freqs, freqs * 0.5, split)
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["contiguous", "interleaved"])
-def test_mrope_gradcheck_float64(interleaved):
-    """float64 through the kernel, M-RoPE positions that differ per axis: the backward is the
-    true gradient."""
-    torch.manual_seed(48)
-    emb = _mrope_module(interleaved, 8, [2, 1, 1])
-    pos = torch.tensor([[[3, 70, 5]], [[900, 1, 2]], [[12, 12, 4000]]], device=DEVICE)     # [3, b=1, s=3]
-    t = torch.randn(1, 3, 2, 10, dtype=torch.float64, device=DEVICE, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: apply_rotary_pos_emb(x, emb, "bshd", positions=pos), (t,))
+def test_program_grid_orders_head_programs_next_to_each_other():
+    """One program per token block: the 2-D grid, no division in the kernel; several: one axis,
+    the head programs of a token block adjacent; more programs than a launch takes: ValueError."""
+    assert triton_rotary_kernel._program_grid(7, 1) == ((7, 1), False)
+    assert triton_rotary_kernel._program_grid(7, 3) == ((21, 1), True)
+    with pytest.raises(ValueError, match="^t needs 2147483648 programs; a launch takes at most"):
+        triton_rotary_kernel._program_grid(2**30, 2)
+    with pytest.raises(ValueError, match="^qkv needs"):
+        triton_rotary_kernel._program_grid(2**30, 2, "qkv")
 
 
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
-def test_fused_qkv_mrope(tensor_format):
-    """Fused QKV with an M-RoPE module and [3, b, s] positions: q and k against the float64
-    reference, v copied, and the packed gradient the transposed rotation of (dq, dk) next to dv."""
-    torch.manual_seed(49)
-    emb = _mrope_module(True)
-    axis = _mrope_axis_rule(emb.mrope_section, True)
-    s, b, kv_heads, d, dv = 4, 2, 2, 40, 8
-    split = [2 * d, d, dv]
-    lead = (s, b) if tensor_format == "sbhd" else (b, s)
-    qkv = torch.randn(*lead, kv_heads, sum(split), device=DEVICE)
-    pos = _random_exact_positions(torch.Generator().manual_seed(49), 3, b, s)
-    tok_pos = pos if tensor_format == "bshd" else pos.transpose(1, 2)            # [3, *lead]
-    pair_pos = _pair_positions(tok_pos, 16, axis)
-    x = qkv.clone().requires_grad_(True)
-    q, k, v = apply_fused_qkv_rotary_pos_emb(x, emb, emb, split, tensor_format, positions=pos.to(DEVICE))
-    gq, gk, gv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
-    (dx,) = torch.autograd.grad((q, k, v), x, (gq, gk, gv))
-    q_in = qkv[..., :2 * d].reshape(*lead, 2 * kv_heads, d)
-    assert _rel_error(q, _rotate64(q_in, pair_pos, emb.inv_freq, False)) < EXACT_REL_TOL
-    assert _rel_error(k, _rotate64(qkv[..., 2 * d:3 * d], pair_pos, emb.inv_freq, False)) < EXACT_REL_TOL
-    assert torch.equal(v, qkv[..., 3 * d:])
-    ref_dx = torch.cat((_rotate64(gq, pair_pos, emb.inv_freq, False, transpose=True).reshape(*lead, kv_heads, 2 * d),
-                        _rotate64(gk, pair_pos, emb.inv_freq, False, transpose=True), gv.double().cpu()), dim=-1)
-    assert _rel_error(dx, ref_dx) < EXACT_REL_TOL
+def test_repeated_calls_and_misaligned_views():
+    """Calls with the same metadata reuse one launch plan (on a GPU: the compiled kernel called
+    directly), and a view whose data starts off 16-byte alignment gets a kernel of its own:
+    every call matches the unfused formula, forward and backward, QKV included."""
+    torch.manual_seed(21)
+    shape, split = (8, 2, 3, 16), [32, 16, 16]
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    storage = torch.empty(8 * 2 * 3 * 64 + 1, device=DEVICE)
+    for offset in (0, 1, 0, 1, 1, 0):
+        storage.normal_()
+        t = storage[offset:offset + 8 * 2 * 3 * 16].view(shape)
+        compare(apply_rotary_pos_emb, t, non_overlapping_grad, "unfused", freqs=freqs)
+        qkv = storage[offset:offset + 8 * 2 * 3 * 64].view(8, 2, 3, 64)
+        compare_qkv(qkv, freqs, freqs, split)
 
 
-# --- Accuracy study (README): error vs position, ours and what other libraries compute ---
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter launches through Triton's JIT only")
+def test_launches_after_the_first_use_the_compiled_kernels_launcher():
+    """After a plan's first launch, later calls go to the compiled kernel's C launcher directly
+    (the fast path), and their results equal the first call's; while a launch hook is
+    registered (as profilers do) they go through Triton's runner, which calls it."""
+    from triton import knobs
+    torch.manual_seed(23)
+    t = torch.randn(9, 2, 3, 32, device=DEVICE)
+    freqs = RotaryPositionEmbedding(32, device=DEVICE)(9)
+    first = set_rotary_kernel(t, freqs)
+    runners = [r for p in triton_rotary_kernel._PLANS.values() if p.launch is not None
+               and p.launch.fn is triton_rotary_kernel.rotary_kernel for r in p.launch.runners.values()]
+    assert runners, "no plan holds a launcher: every launch went through Triton's JIT"
+    assert all(r.direct for r in runners), "the direct launch did not engage"
+    assert torch.equal(set_rotary_kernel(t, freqs), first)
+    seen = []
 
-ACCURACY_PATH = os.path.join(report.ARTIFACTS_ROOT, "accuracy_vs_position.png")
-ACCURACY_INPUTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _transformers_rope(x, pos, inv_freq):
-    """x [tokens, 1, heads, d] rotated as transformers' Llama does it (LlamaRotaryEmbedding.forward
-    and apply_rotary_pos_emb in transformers/models/llama/modeling_llama.py): angles position *
-    inv_freq in float32 (4.x: inv_freq @ positions with autocast off; 5.x: a product; one
-    rounding either way), cos/sin in float32, cast to x's dtype, then x * cos + rotate_half(x) *
-    sin in x's dtype, each operation rounded to it. Liger's rope (liger_kernel/ops/rope.py,
-    _triton_rope) takes these cos/sin and casts x to their dtype before the same products, so
-    it computes this too (on a GPU its Triton code may fuse a product into an fma)."""
-    angles = pos.float()[:, None] * inv_freq.float()
-    emb = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def _flash_attn_rope(x, pos, inv_freq):
-    """x [tokens, 1, heads, d] rotated as flash-attn does it: its RotaryEmbedding's cache
-    (flash_attn/layers/rotary.py, _update_cos_sin_cache: torch.outer(positions in float32,
-    inv_freq), cos/sin in float32, cast to x's dtype) and its Triton kernel
-    (flash_attn/ops/triton/rotary.py, rotary_kernel: x, cos and sin loaded as float32,
-    x0 * cos - x1 * sin and x0 * sin + x1 * cos in float32, stored in x's dtype)."""
-    angles = torch.outer(pos.float(), inv_freq.float())[:, None, None, :]
-    cos, sin = angles.cos().to(x.dtype).float(), angles.sin().to(x.dtype).float()
-    x0, x1 = x.float().chunk(2, dim=-1)
-    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).to(x.dtype)
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert torch.equal(set_rotary_kernel(t, freqs), first)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["rotary_kernel"], seen
+    assert torch.equal(set_rotary_kernel(t, freqs), first)
+    assert len(seen) == 1
 
 
-def _accuracy_positions(k, tokens, gen):
-    """`tokens` positions in (2^(k-1), 2^k], the largest 2^k itself (2^24 - 1 for k = 24, the
-    exact path's last position). Powers of two alone would flatter the tables:
-    float32(2^k * inv_freq) is exact."""
-    top = min(2**k, MAX_EXACT_POSITION)
-    low = 2 ** (k - 1) + 1 if k > 0 else top
-    return torch.cat([torch.tensor([top]), torch.randint(low, top + 1, (tokens - 1,), generator=gen)])
+def _compile_tiles(*tiles):
+    """rope_sass_probe.py's result for each tile (dicts of constexprs), from a process without
+    TRITON_INTERPRET (the probe compiles the kernel for sm_90; no GPU needed)."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(here, "rope_sass_probe.py"), *map(json.dumps, tiles)],
+                         capture_output=True, text=True, cwd=here, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
 
 
-def _rounded(ref, dtype, truncate=False):
-    """The float64 `ref` stored in `dtype`: rounded to nearest even, as a GPU stores, or with
-    `truncate` (bfloat16 only) toward zero, as Triton's interpreter casts float32 to bfloat16."""
-    if truncate and dtype == torch.bfloat16:
-        return (ref.float().view(torch.int32) & -65536).view(torch.float32)     # the top 16 bits
-    return ref.to(dtype)
+def test_sin_cos_are_computed_once_per_program():
+    """The angles of a tile of several heads are worked out once across the program's threads
+    (`_tile_angles`' one-trip loops keep Triton from recomputing them in the tile's layout):
+    for 1 token x 16 heads x 64 pairs at 4 warps (128 threads, 64 angles), at most one sin per
+    thread. A one-head tile of 16 tokens x 64 pairs has 1024 angles, 8 per thread, and the
+    count says so (what the count measures)."""
+    heads_tile, tokens_tile = _compile_tiles(dict(BLOCK_T=1, BLOCK_H=16), dict(BLOCK_T=16, BLOCK_H=1))
+    assert tokens_tile["sin"] == 8, tokens_tile
+    assert heads_tile["sin"] == 1, heads_tile
 
 
-def _accuracy_errors(t, pos, table, emb):
-    """{method: relative error} of one input t [tokens, 1, heads, d] at positions pos, against
-    its rotation in float64; "rounding" is that rotation rounded to t's dtype (the least error
-    any output in that dtype has), "store_rounding" the same as this backend's stores round."""
-    ref = _rotate64(t, _pair_positions(pos[:, None], t.shape[-1] // 2), emb.inv_freq, False)
-    outputs = dict(table=apply_rotary_pos_emb(t.to(DEVICE), table),
-                   exact=apply_rotary_pos_emb(t.to(DEVICE), emb, positions=pos.to(DEVICE)),
-                   transformers=_transformers_rope(t, pos, emb.inv_freq.cpu()),
-                   flash_attn=_flash_attn_rope(t, pos, emb.inv_freq.cpu()),
-                   rounding=_rounded(ref, t.dtype),
-                   store_rounding=_rounded(ref, t.dtype, truncate=not ON_GPU))
-    return {method: _rel_error(out, ref) for method, out in outputs.items()}
+def test_thd_tile_loads_are_issued_before_the_sequence_search():
+    """A thd tile's own loads (16-byte vectors of bf16) come first in the SASS, ahead of the
+    search of cu_seqlens for its tokens' sequences (loads evict_last), for angles from
+    positions and from a table. Without the barrier after them, ptxas puts them after the
+    whole chain of the search."""
+    thd = dict(BLOCK_T=4, BLOCK_H=8, BLOCK_HALF=32, IS_THD=True, SEARCH_LEVELS=6)
+    for tile in _compile_tiles(thd, dict(thd, ANGLES_FROM_POSITIONS=False)):
+        assert tile["loads"][:3] == ["LDG.E.128", "LDG.E.128", "LDG.E.EL"], tile["loads"]
 
 
-def _accuracy_vs_position(head_dim=128, tokens=4, heads=4, seed=50):
-    """Relative error ||out - ref|| / ||ref|| against the rotation in float64 of the same
-    input, float32 and bfloat16 input, at positions up to 2^k for k = 0..24
-    (_accuracy_positions), of: our table path (TE's float32 angle table), our exact path (the
-    module), transformers' Llama (and Liger) and flash-attn as _transformers_rope and
-    _flash_attn_rope compute them, and the float64 rotation rounded to the input dtype. All
-    take the module's inv_freq, the float32 1 / base^(2i/d) that TE, transformers and
-    flash-attn compute alike, so that the angle and rotation arithmetic are what differ. Runs
-    one position per call so that the table can be TE's row itself (`emb(1, offset=p)`, equal
-    to row p of the full table). Returns one dict per k: k, max_position and
-    report.accuracy_column(dtype, method) for every dtype and method (and "store_rounding":
-    see _accuracy_errors)."""
-    gen = torch.Generator().manual_seed(seed)
-    emb = RotaryPositionEmbedding(head_dim, device=DEVICE)
-    rows = []
-    for k in range(25):
-        pos = _accuracy_positions(k, tokens, gen)
-        t32 = torch.randn(tokens, 1, heads, head_dim, generator=gen)
-        table = torch.cat([emb(1, offset=int(p)) for p in pos])                 # TE's rows p
-        row = dict(k=k, max_position=int(pos[0]))
-        for dtype_name, dtype in ACCURACY_INPUTS.items():
-            errors = _accuracy_errors(t32.to(dtype), pos, table, emb)
-            row.update({report.accuracy_column(dtype_name, m): e for m, e in errors.items()})
-        rows.append(row)
-    return rows
+def test_plan_cache_keeps_validation():
+    """A cached launch plan must not let through what the checks reject: 16.0 == 16, True == 1
+    and 1 == True hash alike, so a key of values without types would match the valid call's."""
+    freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
+    qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
+    apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [16, 8, 8])            # plans the valid call
+    for bad in ([16.0, 8.0, 8.0], [16, 8, True], [16, 8.0, 8], (16, 8, True)):
+        with pytest.raises(ValueError, match="qkv_split_arg_list must be three positive ints"):
+            apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, bad)
+    # interleaved and cp arguments, through the launchers (the public entry points check
+    # interleaved before any plan, so only the launchers show what the plan cache does).
+    t = torch.randn(4, 2, 3, 8, device=DEVICE)
+    set_rotary_kernel(t, freqs, interleaved=True)
+    set_rotary_kernel(t, freqs, cp_size=1, cp_rank=0)
+    triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], interleaved=True)
+    for kwargs, match in ((dict(interleaved=1), "interleaved must be a bool"),
+                          (dict(cp_size=True), "cp_size must be an int"),
+                          (dict(cp_size=1.0), "cp_size must be an int"),
+                          (dict(cp_rank=False), "cp_rank must be an int"),
+                          (dict(cp_rank=0.0), "cp_rank must be an int")):
+        with pytest.raises(TypeError, match=match):
+            set_rotary_kernel(t, freqs, **kwargs)
+        with pytest.raises(TypeError, match=match):
+            triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], **kwargs)
+        with pytest.raises(TypeError, match=match):
+            apply_rotary_pos_emb(t, freqs, **kwargs)
 
 
-def plot_accuracy(path=ACCURACY_PATH, rows=None):
-    """The accuracy study (`rows`, else computed now) as a plot at `path` and a CSV next to it
-    (same name, .csv); returns the rows. The committed artifacts come from a GPU (the hardware
-    sin/cos of the positions path, bfloat16 stores rounded to nearest); the interpreter takes
-    numpy's sin/cos and truncates bfloat16 stores, and its plot says so."""
-    if rows is None:
-        rows = _accuracy_vs_position()
-    where = "" if ON_GPU else " [Triton interpreter: numpy sin/cos, bfloat16 stores truncated]"
-    report.write_accuracy_plot(path, rows, EXACT_REL_TOL, "RoPE error vs position: head dim 128, base "
-                               f"10000, 4 tokens x 4 heads per point{where}")
-    return rows
+def test_launch_rule_changes_make_new_plans(monkeypatch):
+    """test_other_launch_configs changes the launch-rule constants and expects new tiles: the
+    plan key must include them. Count launch_config calls: every constant change plans anew
+    (and a repeated call does not), and the new tile shapes still give the right result."""
+    monkeypatch.setattr(triton_rotary_kernel, "_PLANS", {})          # no plans from other tests
+    calls = []
+    original = triton_rotary_kernel.launch_config
+
+    def counting(*args, **kwargs):
+        grid, meta = original(*args, **kwargs)
+        calls.append((grid, dict(meta)))
+        return grid, meta
+
+    monkeypatch.setattr(triton_rotary_kernel, "launch_config", counting)
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(4)
+    t = torch.randn(4, 2, 2, 24, device=DEVICE)
+    expected = apply_rotary_pos_emb(t, freqs, fused=False)
+
+    def call():
+        torch.testing.assert_close(apply_rotary_pos_emb(t, freqs), expected)
+
+    call()
+    call()
+    assert len(calls) == 1
+    changes = ([("INTERPRETER_TILE_BYTES", 512), ("INTERPRETER_TILE_BYTES", 256),
+                ("INTERPRETER_MIN_PROGRAMS", 1000)] if not ON_GPU else
+               [("TILE_BYTES", 128), ("TILE_BYTES", 64), ("MIN_PROGRAMS_PER_SM", 1000)])
+    changes += [("SEARCH_TILE_BYTES", 512), ("QKV_TILE_BYTES", 512)]
+    changes += [("NUM_WARPS", 1), ("TILE_BYTES" if not ON_GPU else "INTERPRETER_TILE_BYTES", 64),
+                ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7)]
+    for number, (name, value) in enumerate(changes, start=2):
+        monkeypatch.setattr(triton_rotary_kernel, name, value)
+        call()
+        call()
+        assert len(calls) == number, (name, value)
+    if not ON_GPU:
+        # The interpreter's constants changed the tiles themselves, not only the key (on a GPU
+        # a shape this small is shrunk to one-token tiles by the SM count already).
+        first_tiles = {(c[0], c[1]["BLOCK_T"], c[1]["BLOCK_H"]) for c in calls[:4]}
+        assert len(first_tiles) == 4, calls[:4]
+
+
+# =================================================================================================
+# == 9. Fuzzing
+#    Random layouts, strides, dtypes and angle sources against the unfused formula in float64
+#    (strategies in rope_fuzz_strategies.py).
+# =================================================================================================
+
+
+@fuzz(rope_calls)
+def test_fuzz_rope(call, data):
+    """apply_rotary_pos_emb forward and backward through autograd, then the launcher writing
+    into a poisoned out view (forward or backward, drawn): every element written, nothing
+    around it touched."""
+    t, freqs, kwargs, grad, in_seq, _ = call
+    ref_out, ref_dx = fuzz_reference(t, freqs, kwargs, grad, in_seq)
+    x = t.detach().requires_grad_(True)
+    out = apply_rotary_pos_emb(x, freqs, **kwargs)
+    assert out.is_contiguous() and out.dtype == t.dtype
+    assert_fuzz_close(out.detach(), ref_out, "forward")
+    (dx,) = torch.autograd.grad(out, x, grad)
+    assert_fuzz_close(dx, ref_dx, "backward")
+    backward = data.draw(st.booleans())
+    buffer, target, inside = poisoned_view(data.draw, t.shape, t.dtype)
+    around = buffer.clone()
+    result = set_rotary_kernel(grad if backward else t, freqs, backward=backward, out=target, **kwargs)
+    assert result is target
+    assert_fuzz_close(target, ref_dx if backward else ref_out, "out= (backward)" if backward else "out=")
+    assert torch.equal(buffer[~inside], around[~inside]), "written outside out"
+
+
+@fuzz(rope_calls)
+def test_fuzz_rope_inplace(call, data):
+    """apply_rotary_pos_emb_inplace on a view inside a larger buffer (transposed, sliced or
+    offset storage): its first d2 channels rotated, everything else in the buffer untouched."""
+    t, freqs, kwargs, _, _, d2 = call
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    # A view that does not overlap itself and has no negative bit (both refused in place).
+    view = laid_out(data.draw, gen, t.shape, t.dtype, ("contiguous", "transposed", "sliced", "offset"))
+    base = view._base if view._base is not None else view
+    before, start = base.clone(), view.clone()
+    expected = apply_rotary_pos_emb(start.double(), freqs, fused=False, **kwargs)
+    with torch.no_grad():
+        assert apply_rotary_pos_emb_inplace(view, freqs, **kwargs) is view
+    assert_fuzz_close(view[..., :d2], expected[..., :d2], "rotated channels")
+    assert torch.equal(view[..., d2:], start[..., d2:]), "channels past d2 changed"
+    # Everything of the storage outside the view: compare through a marker copy.
+    marker = torch.zeros_like(base, dtype=torch.bool)
+    marker.as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset()).fill_(True)
+    assert torch.equal(base[~marker], before[~marker]), "written outside the view"
+
+
+@fuzz(qkv_calls)
+def test_fuzz_qkv(call, data):
+    """apply_fused_qkv_rotary_pos_emb forward and packed gradient against the unfused formula
+    on float64 copies."""
+    qkv, q_freqs, k_freqs, split, kwargs, grads = call
+    x64 = qkv.resolve_neg().double().requires_grad_(True)
+    if qkv.shape[0] * qkv.shape[1]:
+        refs = apply_fused_qkv_rotary_pos_emb(x64, q_freqs, k_freqs, split, fused=False, **kwargs)
+        (ref_dx,) = torch.autograd.grad(refs, x64, [g.resolve_neg().double() for g in grads])
+    else:           # no tokens: empty results (the unfused path fails, test_unfused_qkv_without_tokens)
+        refs, ref_dx = [torch.zeros(g.shape, dtype=torch.float64, device=DEVICE) for g in grads], torch.zeros_like(x64)
+    x = qkv.detach().requires_grad_(True)
+    outs = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, split, **kwargs)
+    for name, out, ref in zip("qkv", outs, refs):
+        assert out.is_contiguous() and out.dtype == qkv.dtype
+        assert_fuzz_close(out.detach(), ref.detach(), name)
+    (dx,) = torch.autograd.grad(outs, x, grads)
+    assert_fuzz_close(dx, ref_dx, "packed gradient")
+
+
+# =================================================================================================
+# == 10. GPU only: sanitizer cases and large tensors
+#    `make sanitize` runs the -m sanitize tests under compute-sanitizer.
+# =================================================================================================
+
+
+# Odd shapes `make sanitize` runs under compute-sanitizer (they also run in `make test`).
+SANITIZE_CASES = [
+    dict(shape=(13, 3, 5, 72)), dict(shape=(13, 3, 5, 80), rotary_dim=40, margin=7),
+    dict(shape=(9, 2, 7, 96), rotary_dim=72, interleaved=True), dict(shape=(5, 2, 3, 128), rotary_dim=6),
+    dict(shape=(3, 11, 5, 96), tensor_format="bshd", transpose=(0, 1)),
+    dict(shape=(11, 3, 5, 80), transpose=(2, 3), interleaved=True),
+    dict(shape=(10, 2, 4, 72), cp_size=2, cp_rank=1, rotary_dim=64),
+    dict(shape=(9, 2, 3, 96), start_positions=[4, 11], margin=16),
+    dict(shape=(57, 5, 80), tensor_format="thd", cu_seqlens=[0, 1, 1, 17, 40, 52], rotary_dim=40),
+    dict(shape=(24, 3, 72), tensor_format="thd", cu_seqlens=[0, 12, 16, 40], cp_size=2, cp_rank=1, interleaved=True),
+]
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case", SANITIZE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_sanitize_cases(case):
+    torch.manual_seed(14)
+    case = dict(case)
+    shape, transpose = case.pop("shape"), case.pop("transpose", None)
+    rotary_dim, margin = case.pop("rotary_dim", shape[-1]), case.pop("margin", 0)
+    for key in ("cu_seqlens", "start_positions"):
+        if key in case:
+            case[key] = torch.tensor(case[key], dtype=torch.int32, device=DEVICE)
+    t = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    if transpose:
+        t = t.transpose(*transpose).contiguous().transpose(*transpose)
+    fmt = case.get("tensor_format", "sbhd")
+    seq = shape[0] if fmt != "bshd" else shape[1]
+    freqs = RotaryPositionEmbedding(rotary_dim, interleaved=case.get("interleaved", False),
+                                    device=DEVICE)(seq * case.get("cp_size", 1) + margin)
+    compare(apply_rotary_pos_emb, t, overlapping_grad, "unfused", freqs=freqs, **case)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("split,kv_heads,rotary_percent", [([3 * 80, 80, 48], 3, 0.5), ([2 * 72, 72, 72], 5, 1.0)])
+def test_sanitize_qkv(split, kv_heads, rotary_percent):
+    torch.manual_seed(13)
+    qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE, dtype=torch.bfloat16)
+    freqs = RotaryPositionEmbedding(split[1], rotary_percent, device=DEVICE)(9)
+    compare_qkv(qkv, freqs, freqs * 2, split)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with >= 20 GB free")
+def test_more_than_2_pow_31_elements():
+    """TE 2.20 hits an illegal memory access here (bf16 17000 x 16 x 64 x 128 = 2.2e9 elements)."""
+    torch.manual_seed(12)
+    s, b, h, d = 17000, 16, 64, 128
+    assert s * b * h * d > 2**31
+    t = torch.empty(s, b, h, d, dtype=torch.bfloat16, device=DEVICE).normal_()
+    freqs = RotaryPositionEmbedding(d, device=DEVICE)(s)
+    rows = [0, 1, s // 2, s - 2, s - 1]
+    for backward in (False, True):
+        out = set_rotary_kernel(t, freqs, backward=backward)
+        for r in rows:
+            expected = set_rotary_kernel(t[r:r + 1].clone(), freqs[r:], backward=backward)
+            assert torch.equal(out[r:r + 1], expected), (backward, r)
+        del out
+    expected_last = unfused_reference(t[-1:].float(), freqs=freqs[s - 1:]).to(torch.bfloat16)
+    torch.testing.assert_close(set_rotary_kernel(t, freqs)[-1:], expected_last)
+
+
+# =================================================================================================
+# == 11. Accuracy study and benchmark report
+#    The study's story, the summaries, plots and stamps of rope_bench_report.py.
+# =================================================================================================
 
 
 def test_accuracy_vs_position(tmp_path):
@@ -2930,7 +2516,7 @@ def test_accuracy_vs_position(tmp_path):
     below 2e-6 everywhere up to 2^24 - 1. bfloat16 input: the exact path's error is the
     output's rounding and no more (< 2^-8), transformers' is above it at every position
     (bfloat16 tables and arithmetic), and every float32-angle method is far above it at 2^24."""
-    rows = _accuracy_vs_position()
+    rows = accuracy_vs_position()
     err = {(d, m): [r[report.accuracy_column(d, m)] for r in rows]
            for d in ACCURACY_INPUTS for m in list(report.ACCURACY_METHODS) + ["store_rounding"]}
     table = err["fp32", "table"]
@@ -2958,28 +2544,6 @@ def test_accuracy_vs_position(tmp_path):
     assert (tmp_path / "accuracy_vs_position.png").stat().st_size > 0
     assert (tmp_path / "accuracy_vs_position.csv").read_text().count("\n") == 1 + len(rows)
 
-
-@pytest.mark.slow
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with >= 20 GB free")
-def test_more_than_2_pow_31_elements():
-    """TE 2.20 hits an illegal memory access here (bf16 17000 x 16 x 64 x 128 = 2.2e9 elements)."""
-    torch.manual_seed(12)
-    s, b, h, d = 17000, 16, 64, 128
-    assert s * b * h * d > 2**31
-    t = torch.empty(s, b, h, d, dtype=torch.bfloat16, device=DEVICE).normal_()
-    freqs = RotaryPositionEmbedding(d, device=DEVICE)(s)
-    rows = [0, 1, s // 2, s - 2, s - 1]
-    for backward in (False, True):
-        out = set_rotary_kernel(t, freqs, backward=backward)
-        for r in rows:
-            expected = set_rotary_kernel(t[r:r + 1].clone(), freqs[r:], backward=backward)
-            assert torch.equal(out[r:r + 1], expected), (backward, r)
-        del out
-    expected_last = _reference(t[-1:].float(), freqs=freqs[s - 1:]).to(torch.bfloat16)
-    torch.testing.assert_close(set_rotary_kernel(t, freqs)[-1:], expected_last)
-
-
-# --- The benchmark's report (rope_bench_report.py): tables, stamp, plots ---------------------
 
 def _model_row(ms, copy_ms, **extra):
     return dict(ms=ms, copy_ms=copy_ms, **extra)
@@ -3147,694 +2711,6 @@ def test_restamp_marks_rows_and_the_summary_says_so(tmp_path, monkeypatch):
     for summary in (out / "SUMMARY.md", tmp_path / "SUMMARY.md"):
         text = summary.read_text()
         assert f"gpu {len(rows) - 2} of {len(rows)}" in text and "generated code compared: identical" in text
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmarks: python pytest_benchmark_cuda_triton_comparison.py [--sweeps a,b] [--dtypes bf16]
-# ---------------------------------------------------------------------------------------------
-
-BENCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MIN_MODEL_INPUT_BYTES = 16 * 2 ** 20
-_BENCH_CALLS = [0]
-
-
-def _bench_ms(fn):
-    """Median, 20th and 80th percentile in ms (CUDA events, L2 flushed between runs)."""
-    import triton.testing
-    _BENCH_CALLS[0] += 1
-    return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
-
-def _bench_input(params, dtype):
-    s, b, h, d = (params["seq_length"] - params["margin"], params["batch_size"], params["head_num"],
-                  params["hidden_size"])
-    shape = (s, b, h, d) if params["tensor_format"] == "sbhd" else (b, s, h, d)
-    t = torch.randn(shape, dtype=dtype, device=DEVICE)
-    freqs = RotaryPositionEmbedding(d, params["rotary_percent"], interleaved=params["interleaved"],
-                                    device=DEVICE)(params["seq_length"])
-    return t, freqs
-
-
-_COMPILED = {}
-
-
-def _compiled(name, fn):
-    """One torch.compile'd function per kind of call; dynamic shapes keep recompiles few."""
-    if name not in _COMPILED:
-        # The backward mode replays one graph's backward (retain_graph=True), which AOT
-        # autograd's donated buffers forbid.
-        import torch._functorch.config
-        torch._functorch.config.donated_buffer = False
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
-    return _COMPILED[name]
-
-
-def _workload(sweep, params, dtype):
-    """Input tensor of one benchmark point and, per provider, the function a line times
-    (x -> output or tuple of outputs, autograd-aware), None where unavailable."""
-    copy = lambda x: torch.empty_like(x).copy_(x)          # noqa: E731  the memory roofline
-    if sweep == "qkv_seq_length":
-        # GQA projection: 8 kv heads, 4 query heads each, d = hidden_size; v passes through.
-        d, kv_heads = params["hidden_size"], 8
-        split = [4 * d, d, d]
-        x = torch.randn(params["qkv_seq_length"], params["batch_size"], kv_heads, sum(split), dtype=dtype,
-                        device=DEVICE)
-        freqs = RotaryPositionEmbedding(d, device=DEVICE)(params["qkv_seq_length"])
-        te_qkv = load_te_qkv_rope()[0]
-        unfused = lambda x, f: apply_fused_qkv_rotary_pos_emb(x, f, f, split, fused=False)  # noqa: E731
-        return x, {"triton": lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, freqs, split),
-                   "torch": lambda x: unfused(x, freqs),
-                   "compile": lambda x: _compiled("qkv", unfused)(x, freqs),
-                   "te": None if te_qkv is None else (lambda x: te_qkv(x, freqs, freqs, split)),
-                   "copy": copy}
-    if sweep == "thd_empty_sequences":
-        # 16 packed sequences of seq_length / 2 tokens, then that many empty sequences, as
-        # CUDA-graph users pad cu_seqlens: the cost should follow the tokens, not the slots.
-        seq, full = params["seq_length"] // 2, 16
-        cu = [i * seq for i in range(full + 1)] + [full * seq] * params["thd_empty_sequences"]
-        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-        x = torch.randn(full * seq, params["head_num"], params["hidden_size"], dtype=dtype, device=DEVICE)
-        freqs = RotaryPositionEmbedding(params["hidden_size"], device=DEVICE)(seq)
-        kwargs = dict(tensor_format="thd", cu_seqlens=cu_seqlens)
-        unfused = lambda x, f, cu: apply_rotary_pos_emb(x, f, "thd", cu_seqlens=cu, fused=False)  # noqa: E731
-    else:
-        x, freqs = _bench_input(params, dtype)
-        kwargs = dict(tensor_format=params["tensor_format"], interleaved=params["interleaved"])
-        fmt, inter = params["tensor_format"], params["interleaved"]
-        unfused = lambda x, f, _: apply_rotary_pos_emb(x, f, fmt, interleaved=inter, fused=False)  # noqa: E731
-    te_fn = load_te_rope()[0]
-    cu_seqlens = kwargs.get("cu_seqlens")
-    return x, {"triton": lambda x: apply_rotary_pos_emb(x, freqs, **kwargs),
-               "torch": lambda x: unfused(x, freqs, cu_seqlens),
-               "compile": lambda x: _compiled(f"rope-{sorted(kwargs)}-{kwargs.get('tensor_format')}-"
-                                              f"{kwargs.get('interleaved')}", unfused)(x, freqs, cu_seqlens),
-               "te": None if te_fn is None else (lambda x: te_fn(x, freqs, **kwargs)),
-               "copy": copy}
-
-
-def _time_point(fn, mode, t, is_copy):
-    def as_tuple(out):
-        return out if isinstance(out, tuple) else (out,)
-
-    if mode == "forward":
-        with torch.no_grad():
-            return _bench_ms(lambda: fn(t))
-    if is_copy:   # the roofline of a backward is one more copy
-        return _bench_ms(lambda: fn(t)) if mode == "backward" else _bench_ms(lambda: (fn(t), fn(t)))
-    x = t.detach().requires_grad_(True)
-    grads = [torch.randn_like(o) for o in as_tuple(fn(x))]
-    if mode == "backward":
-        out = as_tuple(fn(x))
-        return _bench_ms(lambda: torch.autograd.grad(out, x, grads, retain_graph=True))
-    return _bench_ms(lambda: torch.autograd.grad(as_tuple(fn(x)), x, grads))
-
-
-def _run_sweep(sweep, dtype_name, mode, results, progress):
-    """Time one parameter sweep in one dtype and mode: at each of its points every provider
-    (TE where it loads), one row each in `results`. `progress` ("[sweep i/N] name") starts
-    the line printed per point."""
-    te_loader = load_te_qkv_rope if sweep == "qkv_seq_length" else load_te_rope
-    providers = [p for p in PROVIDERS if p != "te" or te_loader()[0] is not None]
-    values = SWEEPS[sweep]
-    for j, value in enumerate(values, 1):
-        print(f"{progress}, {dtype_name}, {mode}, point {j}/{len(values)}: {sweep}={value}", flush=True)
-        params = {**BENCH_DEFAULTS, sweep: value}
-        for provider in providers:
-            _time_sweep_point(sweep, params, dtype_name, mode, provider, results)
-
-
-def _time_sweep_point(sweep, params, dtype_name, mode, provider, results):
-    t, fns = _workload(sweep, params, BENCH_DTYPES[dtype_name])
-    try:
-        timing = _time_point(fns[provider], mode, t, is_copy=provider == "copy")
-    except Exception as err:  # e.g. torch.compile failing on this torch: leave the point out
-        print(f"  {PROVIDERS[provider]} failed: {err!r}", flush=True)
-        return
-    moved = 2 * t.numel() * t.element_size() * (2 if mode == "forward+backward" else 1)
-    results.append(dict(sweep=sweep, x=params[sweep], dtype=dtype_name, mode=mode, provider=provider,
-                        ms=timing[0], p20=timing[1], p80=timing[2], bytes=moved))
-    print(f"  {PROVIDERS[provider]}: {timing[0]:.4f} ms ({moved / timing[0] / 1e6:.0f} GB/s)", flush=True)
-
-
-def _environment():
-    import datetime
-    import subprocess
-
-    import triton
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        driver = "unknown"
-    te_fn, te_desc = load_te_rope()
-    return {"GPU": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
-            "triton": triton.__version__,
-            "Transformer Engine": te_desc if te_fn is not None else f"not available ({te_desc})",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
-
-
-# --- models sweep: real shapes, our two paths and the peers, each against a copy of its bytes ---
-
-class _Line(NamedTuple):
-    """One provider at one models point: kernels alone, a factory of the autograd step (built
-    on first use, so that a provider failing to build it fails only the modes that need it),
-    and the bytes one pass reads plus writes."""
-    forward: Callable
-    backward: Callable
-    make_step: Callable
-    moved: int
-
-
-@functools.lru_cache(maxsize=None)
-def _peers():
-    """The peers importable here ({name: entry points}) and why the others are not."""
-    found, missing = {}, {}
-    try:
-        from liger_kernel.ops.rope import LigerRopeFunction, rope_backward, rope_forward
-        found["liger"] = (LigerRopeFunction, rope_forward, rope_backward)
-    except Exception as err:  # not installed, or a release that does not import on this Triton
-        missing["liger"] = f"liger_kernel.ops.rope: {err!r}"
-    try:
-        from liger_kernel.ops.qwen2vl_mrope import (
-            LigerQwen2VLMRopeFunction,
-            qwen2vl_mrope_backward,
-            qwen2vl_mrope_forward,
-        )
-        found["liger_mrope"] = (LigerQwen2VLMRopeFunction, qwen2vl_mrope_forward,
-                                qwen2vl_mrope_backward)
-    except Exception as err:
-        missing["liger_mrope"] = f"liger_kernel.ops.qwen2vl_mrope: {err!r}"
-    try:
-        from flash_attn.ops.triton.rotary import apply_rotary
-        found["flash_attn"] = apply_rotary
-    except Exception as err:
-        missing["flash_attn"] = f"flash_attn.ops.triton.rotary: {err!r}"
-    return found, missing
-
-
-@functools.lru_cache(maxsize=None)
-def _flash_rope_function(apply_rotary):
-    """flash-attn's forward and backward (the conjugate rotation) as one autograd function,
-    the way its own layer wires them, minus the layer's other imports (einops)."""
-    class FlashRope(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, cos, sin, cu_seqlens, max_seqlen):
-            ctx.save_for_backward(cos, sin, cu_seqlens)
-            ctx.max_seqlen = max_seqlen
-            return apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-
-        @staticmethod
-        def backward(ctx, grad):
-            cos, sin, cu_seqlens = ctx.saved_tensors
-            return (apply_rotary(grad, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=ctx.max_seqlen,
-                                 conjugate=True), None, None, None, None)
-    return FlashRope
-
-
-def _autograd_step(fn, inputs):
-    """One forward + backward of fn(*inputs) -> tuple of outputs through autograd. The incoming
-    gradients are clones of the outputs, so they have the strides a real upstream gradient
-    has (liger's backward copies a gradient that is not in its layout)."""
-    leaves = tuple(x.detach().requires_grad_(True) for x in inputs)
-    grads = tuple(o.detach().clone() for o in fn(*leaves))
-    return lambda: torch.autograd.grad(fn(*leaves), leaves, grads)
-
-
-def _thd_lengths(point, shrink=1):
-    if "seq_len" in point:
-        return [point["seq_len"]] * max(point["seqs"] // shrink, 1)
-    gen = torch.Generator().manual_seed(point["seed"])
-    total, lengths = max(point["tokens"] // shrink, 1), []
-    while sum(lengths) < total:
-        lengths.append(int(torch.randint(point["min_len"], point["max_len"] + 1, (1,), generator=gen)))
-    lengths[-1] -= sum(lengths) - total
-    return lengths
-
-
-def _flash_line(apply_rotary, x, freqs, cu_seqlens=None, max_seqlen=None):
-    """flash-attn on x [b, s, h, d] (or thd [t, h, d] with cu_seqlens): its cos/sin tables are
-    [s, d/2] in x's dtype, as its own rotary layer caches them."""
-    half = freqs.view(freqs.shape[0], -1)[:, :x.shape[-1] // 2]
-    cos, sin = half.cos().to(x.dtype), half.sin().to(x.dtype)
-    flash = _flash_rope_function(apply_rotary)
-    return _Line(
-        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen),
-        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, conjugate=True),
-        lambda: _autograd_step(lambda t: (flash.apply(t, cos, sin, cu_seqlens, max_seqlen),), (x,)),
-        2 * x.nbytes)
-
-
-def _liger_line(entry, q_storage, k_storage, angles, *extra):
-    """Liger (its rope, or its qwen2vl_mrope with extra = (mrope_section,)) on q and k given as
-    [b, s, h, d] storage. Its layout is Hugging Face's: [b, h, s, d] views of that storage (a
-    contiguous [b, h, s, d] would cost it a copy), cos/sin of `angles` in q's dtype ([1, s, d],
-    or [3, b, s, d] for M-RoPE: each axis' angles at that axis' positions). It rotates q and k
-    in place, forward and backward, in one launch."""
-    liger, forward, backward = entry
-    q, k = q_storage.transpose(1, 2), k_storage.transpose(1, 2)
-    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-    return _Line(
-        lambda: forward(q, k, cos, sin, *extra), lambda: backward(q, k, cos, sin, *extra),
-        lambda: _autograd_step(lambda a, b: tuple(liger.apply(a, b, cos, sin, *extra)), (q, k)),
-        2 * (q.nbytes + k.nbytes))
-
-
-def _ours_line(x, freqs, **kwargs):
-    """Our kernel on x with `freqs` (a table or the module) and the call's other arguments."""
-    return _Line(lambda: set_rotary_kernel(x, freqs, **kwargs),
-                 lambda: set_rotary_kernel(x, freqs, backward=True, **kwargs),
-                 lambda: _autograd_step(lambda t: (apply_rotary_pos_emb(t, freqs, **kwargs),), (x,)),
-                 2 * x.nbytes)
-
-
-def _model_workload(point, dtype, shrink=1):
-    """Input of one models point (`x`, the tensor our kernel takes) and per provider its
-    _Line; `skipped` says why a provider has none. `shrink` divides the token counts (so
-    that a CPU check can build every point under the interpreter)."""
-    d, layout = point["d"], point["layout"]
-    new = functools.partial(torch.randn, dtype=dtype, device=DEVICE)
-    rope = RotaryPositionEmbedding(d, device=DEVICE)
-    peers, missing = _peers()
-    lines, skipped = {}, dict(missing)
-    if layout == "qkv":
-        tokens, kv, per_kv = max(point["tokens"] // shrink, 1), point["kv"], point["q_per_kv"]
-        split = [per_kv * d, d, d]
-        x = new(tokens, 1, kv, sum(split))
-        freqs = rope(tokens)
-        grads = (new(tokens, 1, kv * per_kv, d), new(tokens, 1, kv, d), new(tokens, 1, kv, d))
-
-        def ours(f):
-            return _Line(lambda: set_rotary_qkv_kernel(x, f, f, split),
-                         lambda: set_rotary_qkv_kernel(x, f, f, split, grads=grads),
-                         lambda: _autograd_step(
-                             lambda t: tuple(apply_fused_qkv_rotary_pos_emb(t, f, f, split)), (x,)),
-                         2 * x.nbytes)
-        lines["triton"], lines["triton_positions"] = ours(freqs), ours(rope)
-        for name in PEERS:
-            skipped.setdefault(name, "no fused-QKV entry point")
-        return dict(x=x, lines=lines, skipped=skipped)
-
-    if "mrope" in point:
-        return _mrope_workload(point, dtype, shrink, peers, skipped)
-    heads = point["heads"]
-    if layout == "thd":
-        lengths = _thd_lengths(point, shrink)
-        tokens = sum(lengths)
-        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEVICE)
-        x = new(tokens, heads, d)
-        freqs = rope(max(lengths))
-        fmt = dict(tensor_format="thd", cu_seqlens=cu)
-    else:
-        tokens = max(point["tokens"] // shrink, 1)
-        x = new(tokens, 1, heads, d)
-        freqs = rope(tokens)
-        fmt = dict(tensor_format="sbhd")
-
-    lines["triton"], lines["triton_positions"] = _ours_line(x, freqs, **fmt), _ours_line(x, rope, **fmt)
-
-    if "flash_attn" in peers:
-        if layout == "thd":
-            lines["flash_attn"] = _flash_line(peers["flash_attn"], x, freqs, cu, max(lengths))
-        else:
-            lines["flash_attn"] = _flash_line(peers["flash_attn"], x.view(1, tokens, heads, d), freqs)
-    if layout == "thd":
-        skipped.setdefault("liger", "no varlen (cu_seqlens) entry point")
-    elif "kv" not in point:
-        skipped.setdefault("liger", "key tensor: liger rotates it with the query, at the query point")
-    elif "liger" in peers:
-        lines["liger"] = _liger_line(peers["liger"], new(1, tokens, heads, d), new(1, tokens, point["kv"], d),
-                                     freqs.view(1, freqs.shape[0], -1))
-    return dict(x=x, lines=lines, skipped=skipped)
-
-
-def _vlm_positions(tokens):
-    """3-axis (time, height, width) positions [3, tokens] of one VLM sequence, as Qwen2-VL
-    builds them: text tokens on the diagonal (all axes equal), then an image of a square grid
-    of patches at one time step, its rows and columns counted from where the text stopped,
-    then text again from past the image's largest position."""
-    text = tokens // 8
-    side = max(int(((tokens - 2 * text) ** 0.5)), 1)
-    image = side * side
-    head = torch.arange(text).expand(3, text)
-    grid = torch.stack([torch.full((image,), text), text + torch.arange(image) // side,
-                        text + torch.arange(image) % side])
-    rest = tokens - text - image
-    tail = (text + side + torch.arange(rest)).expand(3, rest)
-    return torch.cat([head, grid, tail], dim=1)
-
-
-def _mrope_workload(point, dtype, shrink, peers, skipped):
-    """A models point of M-RoPE (`point["mrope"]` the section): ours from the module and
-    3-axis positions, and from a table of each token's mixed angles (row = token); Liger's
-    qwen2vl_mrope at the single-sequence query point (it rotates q and k together)."""
-    d, heads = point["d"], point["heads"]
-    new = functools.partial(torch.randn, dtype=dtype, device=DEVICE)
-    rope = RotaryPositionEmbedding(d, mrope_section=point["mrope"], device=DEVICE)
-    if point["layout"] == "thd":
-        lengths = _thd_lengths(point, shrink)
-        pos = torch.cat([_vlm_positions(n) for n in lengths], dim=1).to(DEVICE)
-        fmt = dict(tensor_format="thd")
-    else:
-        pos = _vlm_positions(max(point["tokens"] // shrink, 1)).to(DEVICE)
-        fmt = dict(tensor_format="sbhd")
-    tokens = pos.shape[1]
-    x = new(tokens, heads, d) if point["layout"] == "thd" else new(tokens, 1, heads, d)
-    # Row i of the table: token i's angles, each pair at the position of its own axis.
-    angles = pos.T[:, rope.pair_axis.long()] * rope.inv_freq                # [t, d/2]
-    table = torch.cat([angles, angles], dim=-1).float()[:, None, None, :]
-    row_of_token = dict(positions=torch.arange(tokens, device=DEVICE)) if point["layout"] == "thd" else {}
-
-    lines = {"triton": _ours_line(x, table, **fmt, **row_of_token),
-             "triton_positions": _ours_line(x, rope, **fmt, positions=pos)}
-    for name in ("liger", "flash_attn"):
-        skipped.setdefault(name, "no M-RoPE")
-    if point["layout"] == "thd":
-        skipped.setdefault("liger_mrope", "no varlen (cu_seqlens) entry point")
-    elif "liger_mrope" in peers:
-        angles = pos[:, None, :, None].float() * rope.inv_freq              # [3, 1, s, d/2]
-        lines["liger_mrope"] = _liger_line(peers["liger_mrope"], x.view(1, tokens, heads, d),
-                                           new(1, tokens, point["kv"], d),
-                                           torch.cat([angles, angles], dim=-1), list(point["mrope"]))
-    return dict(x=x, lines=lines, skipped=skipped)
-
-
-def _graphed(step):
-    """`step` captured in a CUDA graph, after a warm-up on a side stream (compiles kernels and
-    plans, and lets autograd set up its streams outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
-def _model_line_ms(line, mode, state):
-    """(median, p20, p80) ms of one provider in one models mode. The kernels alone are
-    replayed from a CUDA graph: called eagerly, a provider whose host work per call outlasts
-    the cache flush before it (the fused QKV's views and outputs, a peer's cos/sin setup)
-    would leave the GPU idle inside its own timing. The autograd step is built once per
-    provider and point (`state`) and serves both forward+backward modes."""
-    if mode in KERNEL_MODES:
-        if mode not in state:
-            with torch.no_grad():
-                state[mode] = _graphed(line.forward if mode == "forward_kernel" else line.backward)
-        return _bench_ms(state[mode].replay)
-    if "step" not in state:
-        state["step"] = line.make_step()
-    if mode == "forward+backward":
-        return _bench_ms(state["step"])
-    graph = _graphed(state["step"])
-    return _bench_ms(graph.replay)
-
-
-def _reference_line(copy, src):
-    """A reference that reads and writes src's bytes once per pass: `copy` serves forward and
-    backward, two of it the forward+backward step."""
-    return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
-
-
-def _copy_line(src):
-    return _reference_line(lambda: torch.empty_like(src).copy_(src), src)   # the memory roofline
-
-
-@triton.jit
-def _triton_copy_kernel(OUT, X, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(OUT + offs, tl.load(X + offs, mask=mask), mask=mask)
-
-
-# A plain Triton copy: what a Triton kernel with the least work per byte reaches on this GPU.
-# Small programs (1024 elements, 4 warps: 16 or 32 bytes per thread and access): the fastest
-# of the block sizes tried on the H200.
-TRITON_COPY_BLOCK, TRITON_COPY_WARPS = 1024, 4
-
-
-def _triton_copy_line(src):
-    flat = src.reshape(-1)
-
-    def copy():
-        out = torch.empty_like(flat)
-        _triton_copy_kernel[(triton.cdiv(flat.numel(), TRITON_COPY_BLOCK),)](
-            out, flat, flat.numel(), BLOCK=TRITON_COPY_BLOCK, num_warps=TRITON_COPY_WARPS)
-        return out
-    return _reference_line(copy, src)
-
-
-def _copy_ms(copies, x, moved, mode):
-    """Timing of a device copy of `moved` bytes (read + written) for `mode`, measured once per
-    point and dtype: x itself where the provider moves x, else a flat buffer of x's dtype. One
-    copy for the kernel modes, two for the forward+backward modes; always eager: captured in
-    a CUDA graph, a large copy becomes a memcpy node that runs far below the copy kernel's
-    speed (0.40 instead of 0.26 ms for 512 MB on the H200), which would flatter everything
-    measured against it."""
-    if moved not in copies:
-        src = x if moved == 2 * x.nbytes else torch.empty(moved // 2 // x.element_size(),
-                                                          dtype=x.dtype, device=x.device)
-        copies[moved] = (_copy_line(src), {})
-    line, done = copies[moved]
-    passes = 1 if mode.endswith("_kernel") else 2
-    if passes not in done:
-        done[passes] = _bench_ms(line.forward if passes == 1 else line.make_step())
-    return done[passes]
-
-
-def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progress="[models]"):
-    """Time every models point: per provider and mode its ms and the ms of an eager device
-    copy of the same bytes (one copy per pass; two for forward+backward). Inputs are built
-    once per point and dtype and freed before the next. `progress` starts the line printed
-    per point and dtype."""
-    import gc
-    points = points or MODEL_POINTS
-    for j, point in enumerate(points, 1):
-        for dtype_name in dtype_names:
-            print(f"{progress}, {dtype_name}, modes {'/'.join(modes)}, point {j}/{len(points)}: "
-                  f"{point['name']}", flush=True)
-            work = _model_workload(point, BENCH_DTYPES[dtype_name], shrink)
-            x = work["x"]
-            if shrink == 1 and x.numel() * 2 < MIN_MODEL_INPUT_BYTES:
-                raise ValueError(f"models point {point['name']}: input {x.numel() * 2} bytes in bf16, "
-                                 f"below {MIN_MODEL_INPUT_BYTES}")
-            for name, why in work["skipped"].items():
-                print(f"  models {point['name']} {dtype_name}: {name} left out: {why}", flush=True)
-            copies = {}   # moved bytes -> (copy _Line, {passes: timing})
-            references = [("copy", _copy_line(x)), ("triton_copy", _triton_copy_line(x))]
-            for provider, line in references + list(work["lines"].items()):
-                state = {}
-                for mode in modes:
-                    try:
-                        reference = _copy_ms(copies, x, line.moved, mode)
-                        timing = reference if provider == "copy" else _model_line_ms(line, mode, state)
-                    except Exception as err:  # e.g. a path not written yet: leave the point out
-                        print(f"  models {point['name']} {dtype_name} {mode}: {provider} failed: "
-                              f"{err!r}"[:400], flush=True)
-                        try:   # let a failed launch or capture surface here, not in the next timing
-                            if ON_GPU:
-                                torch.cuda.synchronize()
-                        except Exception as sync_err:
-                            print(f"  after that failure: {sync_err!r}", flush=True)
-                        continue
-                    moved = line.moved * (2 if mode.startswith("forward+backward") else 1)
-                    results.append(dict(sweep="models", x=point["name"], dtype=dtype_name, mode=mode,
-                                        provider=provider, ms=timing[0], p20=timing[1], p80=timing[2],
-                                        bytes=moved, copy_ms=reference[0], **stamp))
-                    print(f"  models {point['name']} {dtype_name} {mode} {provider}: {timing[0]:.4f} ms, "
-                          f"{reference[0] / timing[0]:.3f} of copy ({moved / timing[0] / 1e6:.0f} GB/s)",
-                          flush=True)
-            del work, x, copies, line, state
-            gc.collect()
-            if ON_GPU:
-                torch.cuda.empty_cache()
-
-
-
-def _autograd_overhead():
-    """Forward + backward through apply_rotary_pos_emb vs the two kernel launches alone."""
-    t, freqs = _bench_input(BENCH_DEFAULTS, torch.bfloat16)
-    grad = torch.randn_like(t)
-    x = t.detach().requires_grad_(True)
-    kernels = _bench_ms(lambda: (set_rotary_kernel(t, freqs), set_rotary_kernel(grad, freqs, backward=True)))[0]
-    autograd = _bench_ms(lambda: torch.autograd.grad(apply_rotary_pos_emb(x, freqs), x, grad))[0]
-    return (f"autograd round trip at the defaults (bf16): {autograd:.4f} ms vs kernels alone "
-            f"{kernels:.4f} ms: {100 * (autograd / kernels - 1):+.1f}% (target <= +5%)")
-
-
-class _AllocateOnly(torch.autograd.Function):
-    """The do-nothing autograd function the host target is measured against."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.empty_like(grad)
-
-
-def _cpu_us_per_call(fn, calls=2000):
-    import time
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    return elapsed * 1e6
-
-
-def _host_overhead():
-    """CPU time of eager calls on a small shape (launch-bound), in one process: one forward,
-    Triton vs TE; the autograd round trip (forward + grad), ours vs an autograd function that
-    only allocates (the target: at most 40 us more)."""
-    t = torch.randn(128, 1, 8, 64, device=DEVICE, dtype=torch.bfloat16)
-    freqs = RotaryPositionEmbedding(64, device=DEVICE)(128)
-    fns = {"Triton": lambda: apply_rotary_pos_emb(t, freqs)}
-    te_fn, te_name = load_te_rope()
-    if te_fn is not None:
-        fns[f"TE ({te_name})"] = lambda: te_fn(t, freqs)
-    report = [f"{name} {_cpu_us_per_call(fn):.1f} us" for name, fn in fns.items()]
-    x, grad = t.detach().requires_grad_(True), torch.randn_like(t)
-    empty = _cpu_us_per_call(lambda: torch.autograd.grad(_AllocateOnly.apply(x), x, grad))
-    ours = _cpu_us_per_call(lambda: torch.autograd.grad(apply_rotary_pos_emb(x, freqs), x, grad))
-    return ("CPU time per eager call, [128, 1, 8, 64] bf16: " + ", ".join(report)
-            + f"; autograd round trip: Triton {ours:.1f} us, an allocate-only autograd.Function "
-            f"{empty:.1f} us: {ours - empty:+.1f} us (target <= +40)")
-
-
-WARM_UP_SECONDS = 2.0
-
-
-def _warm_up():
-    """Copies for WARM_UP_SECONDS before the first timing: a fresh process's first timing
-    runs on a cold GPU (docs/benchmarks.md), and when it is a copy, every provider of that
-    point reads as faster than the copy."""
-    import time
-    src = torch.empty(2 ** 27, dtype=torch.float32, device=DEVICE)      # 512 MB
-    dst = torch.empty_like(src)
-    deadline = time.perf_counter() + WARM_UP_SECONDS
-    while time.perf_counter() < deadline:
-        for _ in range(20):
-            dst.copy_(src)
-        torch.cuda.synchronize()
-
-
-def _parse_list(text, known, what):
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(known)})")
-    return names
-
-
-def _parse_modes(text):
-    """Requested modes, matched on letters and digits only (so `forward+backward_cuda_graph`
-    names the graphed mode) and split into the parameter sweeps' and the models sweep's."""
-    norm = lambda m: re.sub(r"[^a-z0-9]", "", m.lower())        # noqa: E731
-    wanted = {norm(m) for m in text.split(",") if m.strip()}
-    known = {norm(m) for m in MODES + MODEL_MODES}
-    if wanted - known:
-        raise SystemExit(f"unknown modes in {text!r} (known: {', '.join(MODES + MODEL_MODES)})")
-    return [m for m in MODES if norm(m) in wanted], [m for m in MODEL_MODES if norm(m) in wanted]
-
-
-def _parser():
-    import argparse
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        epilog="Results go to artifacts/<gpu>/ (h100, h200, else the device name); a run merges its "
-               "points into that folder's results.json and regenerates its summary, plots and "
-               "results.html, and artifacts/SUMMARY.md.")
-    parser.add_argument("--sweeps", default=",".join(SWEEPS),
-                        help=f"comma-separated sweeps (default all: {','.join(SWEEPS)})")
-    parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES))
-    parser.add_argument("--modes", default=",".join(MODES + MODEL_MODES),
-                        help=f"comma-separated; {', '.join(MODES)} apply to the parameter sweeps, "
-                             f"{', '.join(MODEL_MODES)} to models (default: all)")
-    parser.add_argument("--summary-only", action="store_true",
-                        help="only regenerate the summaries, every plot and CSV, and results.html from "
-                             "artifacts/*/results.json (no GPU needed)")
-    parser.add_argument("--accuracy", nargs="?", const=ACCURACY_PATH, metavar="PNG",
-                        help="only run the accuracy study and write it to PNG and the .csv beside it "
-                             f"(default {os.path.relpath(ACCURACY_PATH)}; the committed one comes from a GPU)")
-    return parser
-
-
-def _run_accuracy(path):
-    if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--accuracy needs a CUDA GPU, or TRITON_INTERPRET=1 (numpy's sin/cos then "
-                         "stand in for the GPU's: not for the committed plot)")
-    rows = plot_accuracy(path)
-    print(f"wrote {path} and its .csv ({len(rows)} positions)")
-
-
-def _timed_rows(sweeps, dtypes, modes, model_modes, stamp):
-    """Every requested sweep, dtype and mode, timed: the result rows, each with `stamp`."""
-    results = []
-    for i, sweep in enumerate(sweeps, 1):
-        progress = f"[sweep {i}/{len(sweeps)}] {sweep}"
-        if sweep != "models":
-            for dtype_name in dtypes:
-                for mode in modes:
-                    _run_sweep(sweep, dtype_name, mode, results, progress)
-        elif model_modes:
-            _run_models(dtypes, model_modes, results, stamp, progress=progress)
-        else:
-            print(f"{progress} skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
-    for r in results:
-        r.update({k: v for k, v in stamp.items() if k not in r})
-    return results
-
-
-def run_benchmarks(argv=None):
-    import time
-    args = _parser().parse_args(argv)
-    if args.summary_only:
-        report.regenerate()
-        print(open(os.path.join(ARTIFACTS_ROOT, "SUMMARY.md")).read())
-        return
-    if args.accuracy:
-        _run_accuracy(args.accuracy)
-        return
-    sweeps = _parse_list(args.sweeps, SWEEPS, "sweeps")
-    dtypes = _parse_list(args.dtypes, BENCH_DTYPES, "dtypes")
-    modes, model_modes = _parse_modes(args.modes)
-    if not ON_GPU:
-        raise SystemExit("make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)")
-    started = time.perf_counter()
-    gpu = report.gpu_slug(torch.cuda.get_device_name())
-    out_dir = os.path.join(ARTIFACTS_ROOT, gpu)
-    os.makedirs(out_dir, exist_ok=True)
-    env = _environment()
-    print("environment:", env, "->", out_dir, flush=True)
-    print("peers:", {k: "ok" for k in _peers()[0]}, _peers()[1], flush=True)
-    stamp = dict(kernel=report.source_hash(), device_code=report.device_code_stamp(), date=env["date"])
-    results_path, run_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "run.json")
-    previous = report.load_json(results_path, [])
-    _warm_up()
-    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp)
-    # Points measured now replace the same points of an earlier (partial) run.
-    fresh = {report.row_key(r) for r in results}
-    merged = [r for r in previous if report.row_key(r) not in fresh] + results
-    with open(results_path, "w") as f:
-        json.dump(merged, f, indent=1)
-    extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}
-    # Restamp notes stay: rows of earlier runs that this one did not replace keep their stamps.
-    restamped = report.load_json(run_path, {}).get("restamped", [])
-    with open(run_path, "w") as f:
-        json.dump({"environment": env, "extras": extras, "kernel": stamp["kernel"],
-                   "device_code": stamp["device_code"]} | ({"restamped": restamped} if restamped else {}),
-                  f, indent=1)
-    report.regenerate([gpu])
-    print(open(os.path.join(out_dir, "SUMMARY.md")).read())
-    print(f"{_BENCH_CALLS[0]} timings (do_bench calls), {time.perf_counter() - started:.0f} s in all", flush=True)
 
 
 if __name__ == "__main__":

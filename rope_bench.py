@@ -1,0 +1,715 @@
+"""The benchmarks: `python pytest_benchmark_cuda_triton_comparison.py` (make bench) runs
+`run_benchmarks`. Per sweep a workload (inputs and, per provider, the function a line times),
+timed with triton.testing.do_bench or replayed from a CUDA graph; rope_bench_report.py writes the
+summaries and plots from the stored rows.
+"""
+
+import functools
+import itertools
+import json
+import os
+import re
+from typing import Callable, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+import rope_bench_report as report
+from rope_bench_report import (
+    ARTIFACTS_ROOT,
+    BENCH_DEFAULTS,
+    KERNEL_MODES,
+    MODEL_MODES,
+    MODEL_POINTS,
+    MODES,
+    PEERS,
+    PROVIDERS,
+    SWEEPS,
+)
+from rope_test_support import ACCURACY_PATH, DEVICE, ON_GPU, plot_accuracy
+from te_comparator import load_te_qkv_rope, load_te_rope
+from triton_rotary_kernel import set_rotary_kernel, set_rotary_qkv_kernel
+from triton_rotary_main import RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
+
+BENCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+MIN_MODEL_INPUT_BYTES = 16 * 2 ** 20
+
+_BENCH_CALLS = [0]
+
+
+def _bench_ms(fn):
+    """Median, 20th and 80th percentile in ms (CUDA events, L2 flushed between runs)."""
+    import triton.testing
+    _BENCH_CALLS[0] += 1
+    return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+
+
+def _bench_input(params, dtype):
+    s, b, h, d = (params["seq_length"] - params["margin"], params["batch_size"], params["head_num"],
+                  params["hidden_size"])
+    shape = (s, b, h, d) if params["tensor_format"] == "sbhd" else (b, s, h, d)
+    t = torch.randn(shape, dtype=dtype, device=DEVICE)
+    freqs = RotaryPositionEmbedding(d, params["rotary_percent"], interleaved=params["interleaved"],
+                                    device=DEVICE)(params["seq_length"])
+    return t, freqs
+
+
+_COMPILED = {}
+
+
+def _compiled(name, fn):
+    """One torch.compile'd function per kind of call; dynamic shapes keep recompiles few."""
+    if name not in _COMPILED:
+        # The backward mode replays one graph's backward (retain_graph=True), which AOT
+        # autograd's donated buffers forbid.
+        import torch._functorch.config
+        torch._functorch.config.donated_buffer = False
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
+
+
+def _workload(sweep, params, dtype):
+    """Input tensor of one benchmark point and, per provider, the function a line times
+    (x -> output or tuple of outputs, autograd-aware), None where unavailable."""
+    copy = lambda x: torch.empty_like(x).copy_(x)          # noqa: E731  the memory roofline
+    if sweep == "qkv_seq_length":
+        # GQA projection: 8 kv heads, 4 query heads each, d = hidden_size; v passes through.
+        d, kv_heads = params["hidden_size"], 8
+        split = [4 * d, d, d]
+        x = torch.randn(params["qkv_seq_length"], params["batch_size"], kv_heads, sum(split), dtype=dtype,
+                        device=DEVICE)
+        freqs = RotaryPositionEmbedding(d, device=DEVICE)(params["qkv_seq_length"])
+        te_qkv = load_te_qkv_rope()[0]
+        unfused = lambda x, f: apply_fused_qkv_rotary_pos_emb(x, f, f, split, fused=False)  # noqa: E731
+        return x, {"triton": lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, freqs, split),
+                   "torch": lambda x: unfused(x, freqs),
+                   "compile": lambda x: _compiled("qkv", unfused)(x, freqs),
+                   "te": None if te_qkv is None else (lambda x: te_qkv(x, freqs, freqs, split)),
+                   "copy": copy}
+    if sweep == "thd_empty_sequences":
+        # 16 packed sequences of seq_length / 2 tokens, then that many empty sequences, as
+        # CUDA-graph users pad cu_seqlens: the cost should follow the tokens, not the slots.
+        seq, full = params["seq_length"] // 2, 16
+        cu = [i * seq for i in range(full + 1)] + [full * seq] * params["thd_empty_sequences"]
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+        x = torch.randn(full * seq, params["head_num"], params["hidden_size"], dtype=dtype, device=DEVICE)
+        freqs = RotaryPositionEmbedding(params["hidden_size"], device=DEVICE)(seq)
+        kwargs = dict(tensor_format="thd", cu_seqlens=cu_seqlens)
+        unfused = lambda x, f, cu: apply_rotary_pos_emb(x, f, "thd", cu_seqlens=cu, fused=False)  # noqa: E731
+    else:
+        x, freqs = _bench_input(params, dtype)
+        kwargs = dict(tensor_format=params["tensor_format"], interleaved=params["interleaved"])
+        fmt, inter = params["tensor_format"], params["interleaved"]
+        unfused = lambda x, f, _: apply_rotary_pos_emb(x, f, fmt, interleaved=inter, fused=False)  # noqa: E731
+    te_fn = load_te_rope()[0]
+    cu_seqlens = kwargs.get("cu_seqlens")
+    return x, {"triton": lambda x: apply_rotary_pos_emb(x, freqs, **kwargs),
+               "torch": lambda x: unfused(x, freqs, cu_seqlens),
+               "compile": lambda x: _compiled(f"rope-{sorted(kwargs)}-{kwargs.get('tensor_format')}-"
+                                              f"{kwargs.get('interleaved')}", unfused)(x, freqs, cu_seqlens),
+               "te": None if te_fn is None else (lambda x: te_fn(x, freqs, **kwargs)),
+               "copy": copy}
+
+
+def _time_point(fn, mode, t, is_copy):
+    def as_tuple(out):
+        return out if isinstance(out, tuple) else (out,)
+
+    if mode == "forward":
+        with torch.no_grad():
+            return _bench_ms(lambda: fn(t))
+    if is_copy:   # the roofline of a backward is one more copy
+        return _bench_ms(lambda: fn(t)) if mode == "backward" else _bench_ms(lambda: (fn(t), fn(t)))
+    x = t.detach().requires_grad_(True)
+    grads = [torch.randn_like(o) for o in as_tuple(fn(x))]
+    if mode == "backward":
+        out = as_tuple(fn(x))
+        return _bench_ms(lambda: torch.autograd.grad(out, x, grads, retain_graph=True))
+    return _bench_ms(lambda: torch.autograd.grad(as_tuple(fn(x)), x, grads))
+
+
+def _run_sweep(sweep, dtype_name, mode, results, progress):
+    """Time one parameter sweep in one dtype and mode: at each of its points every provider
+    (TE where it loads), one row each in `results`. `progress` ("[sweep i/N] name") starts
+    the line printed per point."""
+    te_loader = load_te_qkv_rope if sweep == "qkv_seq_length" else load_te_rope
+    providers = [p for p in PROVIDERS if p != "te" or te_loader()[0] is not None]
+    values = SWEEPS[sweep]
+    for j, value in enumerate(values, 1):
+        print(f"{progress}, {dtype_name}, {mode}, point {j}/{len(values)}: {sweep}={value}", flush=True)
+        params = {**BENCH_DEFAULTS, sweep: value}
+        for provider in providers:
+            _time_sweep_point(sweep, params, dtype_name, mode, provider, results)
+
+
+def _time_sweep_point(sweep, params, dtype_name, mode, provider, results):
+    t, fns = _workload(sweep, params, BENCH_DTYPES[dtype_name])
+    try:
+        timing = _time_point(fns[provider], mode, t, is_copy=provider == "copy")
+    except Exception as err:  # e.g. torch.compile failing on this torch: leave the point out
+        print(f"  {PROVIDERS[provider]} failed: {err!r}", flush=True)
+        return
+    moved = 2 * t.numel() * t.element_size() * (2 if mode == "forward+backward" else 1)
+    results.append(dict(sweep=sweep, x=params[sweep], dtype=dtype_name, mode=mode, provider=provider,
+                        ms=timing[0], p20=timing[1], p80=timing[2], bytes=moved))
+    print(f"  {PROVIDERS[provider]}: {timing[0]:.4f} ms ({moved / timing[0] / 1e6:.0f} GB/s)", flush=True)
+
+
+def _environment():
+    import datetime
+    import subprocess
+
+    import triton
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        driver = "unknown"
+    te_fn, te_desc = load_te_rope()
+    return {"GPU": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
+            "triton": triton.__version__,
+            "Transformer Engine": te_desc if te_fn is not None else f"not available ({te_desc})",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+class _Line(NamedTuple):
+    """One provider at one models point: kernels alone, a factory of the autograd step (built
+    on first use, so that a provider failing to build it fails only the modes that need it),
+    and the bytes one pass reads plus writes."""
+    forward: Callable
+    backward: Callable
+    make_step: Callable
+    moved: int
+
+
+@functools.lru_cache(maxsize=None)
+def _peers():
+    """The peers importable here ({name: entry points}) and why the others are not."""
+    found, missing = {}, {}
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction, rope_backward, rope_forward
+        found["liger"] = (LigerRopeFunction, rope_forward, rope_backward)
+    except Exception as err:  # not installed, or a release that does not import on this Triton
+        missing["liger"] = f"liger_kernel.ops.rope: {err!r}"
+    try:
+        from liger_kernel.ops.qwen2vl_mrope import (
+            LigerQwen2VLMRopeFunction,
+            qwen2vl_mrope_backward,
+            qwen2vl_mrope_forward,
+        )
+        found["liger_mrope"] = (LigerQwen2VLMRopeFunction, qwen2vl_mrope_forward,
+                                qwen2vl_mrope_backward)
+    except Exception as err:
+        missing["liger_mrope"] = f"liger_kernel.ops.qwen2vl_mrope: {err!r}"
+    try:
+        from flash_attn.ops.triton.rotary import apply_rotary
+        found["flash_attn"] = apply_rotary
+    except Exception as err:
+        missing["flash_attn"] = f"flash_attn.ops.triton.rotary: {err!r}"
+    return found, missing
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_rope_function(apply_rotary):
+    """flash-attn's forward and backward (the conjugate rotation) as one autograd function,
+    the way its own layer wires them, minus the layer's other imports (einops)."""
+    class FlashRope(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cos, sin, cu_seqlens, max_seqlen):
+            ctx.save_for_backward(cos, sin, cu_seqlens)
+            ctx.max_seqlen = max_seqlen
+            return apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+        @staticmethod
+        def backward(ctx, grad):
+            cos, sin, cu_seqlens = ctx.saved_tensors
+            return (apply_rotary(grad, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=ctx.max_seqlen,
+                                 conjugate=True), None, None, None, None)
+    return FlashRope
+
+
+def _autograd_step(fn, inputs):
+    """One forward + backward of fn(*inputs) -> tuple of outputs through autograd. The incoming
+    gradients are clones of the outputs, so they have the strides a real upstream gradient
+    has (liger's backward copies a gradient that is not in its layout)."""
+    leaves = tuple(x.detach().requires_grad_(True) for x in inputs)
+    grads = tuple(o.detach().clone() for o in fn(*leaves))
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, grads)
+
+
+def _thd_lengths(point, shrink=1):
+    if "seq_len" in point:
+        return [point["seq_len"]] * max(point["seqs"] // shrink, 1)
+    gen = torch.Generator().manual_seed(point["seed"])
+    total, lengths = max(point["tokens"] // shrink, 1), []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(point["min_len"], point["max_len"] + 1, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def _flash_line(apply_rotary, x, freqs, cu_seqlens=None, max_seqlen=None):
+    """flash-attn on x [b, s, h, d] (or thd [t, h, d] with cu_seqlens): its cos/sin tables are
+    [s, d/2] in x's dtype, as its own rotary layer caches them."""
+    half = freqs.view(freqs.shape[0], -1)[:, :x.shape[-1] // 2]
+    cos, sin = half.cos().to(x.dtype), half.sin().to(x.dtype)
+    flash = _flash_rope_function(apply_rotary)
+    return _Line(
+        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen),
+        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, conjugate=True),
+        lambda: _autograd_step(lambda t: (flash.apply(t, cos, sin, cu_seqlens, max_seqlen),), (x,)),
+        2 * x.nbytes)
+
+
+def _liger_line(entry, q_storage, k_storage, angles, *extra):
+    """Liger (its rope, or its qwen2vl_mrope with extra = (mrope_section,)) on q and k given as
+    [b, s, h, d] storage. Its layout is Hugging Face's: [b, h, s, d] views of that storage (a
+    contiguous [b, h, s, d] would cost it a copy), cos/sin of `angles` in q's dtype ([1, s, d],
+    or [3, b, s, d] for M-RoPE: each axis' angles at that axis' positions). It rotates q and k
+    in place, forward and backward, in one launch."""
+    liger, forward, backward = entry
+    q, k = q_storage.transpose(1, 2), k_storage.transpose(1, 2)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    return _Line(
+        lambda: forward(q, k, cos, sin, *extra), lambda: backward(q, k, cos, sin, *extra),
+        lambda: _autograd_step(lambda a, b: tuple(liger.apply(a, b, cos, sin, *extra)), (q, k)),
+        2 * (q.nbytes + k.nbytes))
+
+
+def _ours_line(x, freqs, **kwargs):
+    """Our kernel on x with `freqs` (a table or the module) and the call's other arguments."""
+    return _Line(lambda: set_rotary_kernel(x, freqs, **kwargs),
+                 lambda: set_rotary_kernel(x, freqs, backward=True, **kwargs),
+                 lambda: _autograd_step(lambda t: (apply_rotary_pos_emb(t, freqs, **kwargs),), (x,)),
+                 2 * x.nbytes)
+
+
+def _model_workload(point, dtype, shrink=1):
+    """Input of one models point (`x`, the tensor our kernel takes) and per provider its
+    _Line; `skipped` says why a provider has none. `shrink` divides the token counts (so
+    that a CPU check can build every point under the interpreter)."""
+    d, layout = point["d"], point["layout"]
+    new = functools.partial(torch.randn, dtype=dtype, device=DEVICE)
+    rope = RotaryPositionEmbedding(d, device=DEVICE)
+    peers, missing = _peers()
+    lines, skipped = {}, dict(missing)
+    if layout == "qkv":
+        tokens, kv, per_kv = max(point["tokens"] // shrink, 1), point["kv"], point["q_per_kv"]
+        split = [per_kv * d, d, d]
+        x = new(tokens, 1, kv, sum(split))
+        freqs = rope(tokens)
+        grads = (new(tokens, 1, kv * per_kv, d), new(tokens, 1, kv, d), new(tokens, 1, kv, d))
+
+        def ours(f):
+            return _Line(lambda: set_rotary_qkv_kernel(x, f, f, split),
+                         lambda: set_rotary_qkv_kernel(x, f, f, split, grads=grads),
+                         lambda: _autograd_step(
+                             lambda t: tuple(apply_fused_qkv_rotary_pos_emb(t, f, f, split)), (x,)),
+                         2 * x.nbytes)
+        lines["triton"], lines["triton_positions"] = ours(freqs), ours(rope)
+        for name in PEERS:
+            skipped.setdefault(name, "no fused-QKV entry point")
+        return dict(x=x, lines=lines, skipped=skipped)
+
+    if "mrope" in point:
+        return _mrope_workload(point, dtype, shrink, peers, skipped)
+    heads = point["heads"]
+    if layout == "thd":
+        lengths = _thd_lengths(point, shrink)
+        tokens = sum(lengths)
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEVICE)
+        x = new(tokens, heads, d)
+        freqs = rope(max(lengths))
+        fmt = dict(tensor_format="thd", cu_seqlens=cu)
+    else:
+        tokens = max(point["tokens"] // shrink, 1)
+        x = new(tokens, 1, heads, d)
+        freqs = rope(tokens)
+        fmt = dict(tensor_format="sbhd")
+
+    lines["triton"], lines["triton_positions"] = _ours_line(x, freqs, **fmt), _ours_line(x, rope, **fmt)
+
+    if "flash_attn" in peers:
+        if layout == "thd":
+            lines["flash_attn"] = _flash_line(peers["flash_attn"], x, freqs, cu, max(lengths))
+        else:
+            lines["flash_attn"] = _flash_line(peers["flash_attn"], x.view(1, tokens, heads, d), freqs)
+    if layout == "thd":
+        skipped.setdefault("liger", "no varlen (cu_seqlens) entry point")
+    elif "kv" not in point:
+        skipped.setdefault("liger", "key tensor: liger rotates it with the query, at the query point")
+    elif "liger" in peers:
+        lines["liger"] = _liger_line(peers["liger"], new(1, tokens, heads, d), new(1, tokens, point["kv"], d),
+                                     freqs.view(1, freqs.shape[0], -1))
+    return dict(x=x, lines=lines, skipped=skipped)
+
+
+def _vlm_positions(tokens):
+    """3-axis (time, height, width) positions [3, tokens] of one VLM sequence, as Qwen2-VL
+    builds them: text tokens on the diagonal (all axes equal), then an image of a square grid
+    of patches at one time step, its rows and columns counted from where the text stopped,
+    then text again from past the image's largest position."""
+    text = tokens // 8
+    side = max(int(((tokens - 2 * text) ** 0.5)), 1)
+    image = side * side
+    head = torch.arange(text).expand(3, text)
+    grid = torch.stack([torch.full((image,), text), text + torch.arange(image) // side,
+                        text + torch.arange(image) % side])
+    rest = tokens - text - image
+    tail = (text + side + torch.arange(rest)).expand(3, rest)
+    return torch.cat([head, grid, tail], dim=1)
+
+
+def _mrope_workload(point, dtype, shrink, peers, skipped):
+    """A models point of M-RoPE (`point["mrope"]` the section): ours from the module and
+    3-axis positions, and from a table of each token's mixed angles (row = token); Liger's
+    qwen2vl_mrope at the single-sequence query point (it rotates q and k together)."""
+    d, heads = point["d"], point["heads"]
+    new = functools.partial(torch.randn, dtype=dtype, device=DEVICE)
+    rope = RotaryPositionEmbedding(d, mrope_section=point["mrope"], device=DEVICE)
+    if point["layout"] == "thd":
+        lengths = _thd_lengths(point, shrink)
+        pos = torch.cat([_vlm_positions(n) for n in lengths], dim=1).to(DEVICE)
+        fmt = dict(tensor_format="thd")
+    else:
+        pos = _vlm_positions(max(point["tokens"] // shrink, 1)).to(DEVICE)
+        fmt = dict(tensor_format="sbhd")
+    tokens = pos.shape[1]
+    x = new(tokens, heads, d) if point["layout"] == "thd" else new(tokens, 1, heads, d)
+    # Row i of the table: token i's angles, each pair at the position of its own axis.
+    angles = pos.T[:, rope.pair_axis.long()] * rope.inv_freq                # [t, d/2]
+    table = torch.cat([angles, angles], dim=-1).float()[:, None, None, :]
+    row_of_token = dict(positions=torch.arange(tokens, device=DEVICE)) if point["layout"] == "thd" else {}
+
+    lines = {"triton": _ours_line(x, table, **fmt, **row_of_token),
+             "triton_positions": _ours_line(x, rope, **fmt, positions=pos)}
+    for name in ("liger", "flash_attn"):
+        skipped.setdefault(name, "no M-RoPE")
+    if point["layout"] == "thd":
+        skipped.setdefault("liger_mrope", "no varlen (cu_seqlens) entry point")
+    elif "liger_mrope" in peers:
+        angles = pos[:, None, :, None].float() * rope.inv_freq              # [3, 1, s, d/2]
+        lines["liger_mrope"] = _liger_line(peers["liger_mrope"], x.view(1, tokens, heads, d),
+                                           new(1, tokens, point["kv"], d),
+                                           torch.cat([angles, angles], dim=-1), list(point["mrope"]))
+    return dict(x=x, lines=lines, skipped=skipped)
+
+
+def _graphed(step):
+    """`step` captured in a CUDA graph, after a warm-up on a side stream (compiles kernels and
+    plans, and lets autograd set up its streams outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _model_line_ms(line, mode, state):
+    """(median, p20, p80) ms of one provider in one models mode. The kernels alone are
+    replayed from a CUDA graph: called eagerly, a provider whose host work per call outlasts
+    the cache flush before it (the fused QKV's views and outputs, a peer's cos/sin setup)
+    would leave the GPU idle inside its own timing. The autograd step is built once per
+    provider and point (`state`) and serves both forward+backward modes."""
+    if mode in KERNEL_MODES:
+        if mode not in state:
+            with torch.no_grad():
+                state[mode] = _graphed(line.forward if mode == "forward_kernel" else line.backward)
+        return _bench_ms(state[mode].replay)
+    if "step" not in state:
+        state["step"] = line.make_step()
+    if mode == "forward+backward":
+        return _bench_ms(state["step"])
+    graph = _graphed(state["step"])
+    return _bench_ms(graph.replay)
+
+
+def _reference_line(copy, src):
+    """A reference that reads and writes src's bytes once per pass: `copy` serves forward and
+    backward, two of it the forward+backward step."""
+    return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
+
+
+def _copy_line(src):
+    return _reference_line(lambda: torch.empty_like(src).copy_(src), src)   # the memory roofline
+
+
+@triton.jit
+def _triton_copy_kernel(OUT, X, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(OUT + offs, tl.load(X + offs, mask=mask), mask=mask)
+
+
+# A plain Triton copy: what a Triton kernel with the least work per byte reaches on this GPU.
+# Small programs (1024 elements, 4 warps: 16 or 32 bytes per thread and access): the fastest
+# of the block sizes tried on the H200.
+TRITON_COPY_BLOCK, TRITON_COPY_WARPS = 1024, 4
+
+
+def _triton_copy_line(src):
+    flat = src.reshape(-1)
+
+    def copy():
+        out = torch.empty_like(flat)
+        _triton_copy_kernel[(triton.cdiv(flat.numel(), TRITON_COPY_BLOCK),)](
+            out, flat, flat.numel(), BLOCK=TRITON_COPY_BLOCK, num_warps=TRITON_COPY_WARPS)
+        return out
+    return _reference_line(copy, src)
+
+
+def _copy_ms(copies, x, moved, mode):
+    """Timing of a device copy of `moved` bytes (read + written) for `mode`, measured once per
+    point and dtype: x itself where the provider moves x, else a flat buffer of x's dtype. One
+    copy for the kernel modes, two for the forward+backward modes; always eager: captured in
+    a CUDA graph, a large copy becomes a memcpy node that runs far below the copy kernel's
+    speed (0.40 instead of 0.26 ms for 512 MB on the H200), which would flatter everything
+    measured against it."""
+    if moved not in copies:
+        src = x if moved == 2 * x.nbytes else torch.empty(moved // 2 // x.element_size(),
+                                                          dtype=x.dtype, device=x.device)
+        copies[moved] = (_copy_line(src), {})
+    line, done = copies[moved]
+    passes = 1 if mode.endswith("_kernel") else 2
+    if passes not in done:
+        done[passes] = _bench_ms(line.forward if passes == 1 else line.make_step())
+    return done[passes]
+
+
+def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progress="[models]"):
+    """Time every models point: per provider and mode its ms and the ms of an eager device
+    copy of the same bytes (one copy per pass; two for forward+backward). Inputs are built
+    once per point and dtype and freed before the next. `progress` starts the line printed
+    per point and dtype."""
+    import gc
+    points = points or MODEL_POINTS
+    for j, point in enumerate(points, 1):
+        for dtype_name in dtype_names:
+            print(f"{progress}, {dtype_name}, modes {'/'.join(modes)}, point {j}/{len(points)}: "
+                  f"{point['name']}", flush=True)
+            work = _model_workload(point, BENCH_DTYPES[dtype_name], shrink)
+            x = work["x"]
+            if shrink == 1 and x.numel() * 2 < MIN_MODEL_INPUT_BYTES:
+                raise ValueError(f"models point {point['name']}: input {x.numel() * 2} bytes in bf16, "
+                                 f"below {MIN_MODEL_INPUT_BYTES}")
+            for name, why in work["skipped"].items():
+                print(f"  models {point['name']} {dtype_name}: {name} left out: {why}", flush=True)
+            copies = {}   # moved bytes -> (copy _Line, {passes: timing})
+            references = [("copy", _copy_line(x)), ("triton_copy", _triton_copy_line(x))]
+            for provider, line in references + list(work["lines"].items()):
+                state = {}
+                for mode in modes:
+                    try:
+                        reference = _copy_ms(copies, x, line.moved, mode)
+                        timing = reference if provider == "copy" else _model_line_ms(line, mode, state)
+                    except Exception as err:  # e.g. a path not written yet: leave the point out
+                        print(f"  models {point['name']} {dtype_name} {mode}: {provider} failed: "
+                              f"{err!r}"[:400], flush=True)
+                        try:   # let a failed launch or capture surface here, not in the next timing
+                            if ON_GPU:
+                                torch.cuda.synchronize()
+                        except Exception as sync_err:
+                            print(f"  after that failure: {sync_err!r}", flush=True)
+                        continue
+                    moved = line.moved * (2 if mode.startswith("forward+backward") else 1)
+                    results.append(dict(sweep="models", x=point["name"], dtype=dtype_name, mode=mode,
+                                        provider=provider, ms=timing[0], p20=timing[1], p80=timing[2],
+                                        bytes=moved, copy_ms=reference[0], **stamp))
+                    print(f"  models {point['name']} {dtype_name} {mode} {provider}: {timing[0]:.4f} ms, "
+                          f"{reference[0] / timing[0]:.3f} of copy ({moved / timing[0] / 1e6:.0f} GB/s)",
+                          flush=True)
+            del work, x, copies, line, state
+            gc.collect()
+            if ON_GPU:
+                torch.cuda.empty_cache()
+
+
+def _autograd_overhead():
+    """Forward + backward through apply_rotary_pos_emb vs the two kernel launches alone."""
+    t, freqs = _bench_input(BENCH_DEFAULTS, torch.bfloat16)
+    grad = torch.randn_like(t)
+    x = t.detach().requires_grad_(True)
+    kernels = _bench_ms(lambda: (set_rotary_kernel(t, freqs), set_rotary_kernel(grad, freqs, backward=True)))[0]
+    autograd = _bench_ms(lambda: torch.autograd.grad(apply_rotary_pos_emb(x, freqs), x, grad))[0]
+    return (f"autograd round trip at the defaults (bf16): {autograd:.4f} ms vs kernels alone "
+            f"{kernels:.4f} ms: {100 * (autograd / kernels - 1):+.1f}% (target <= +5%)")
+
+
+class _AllocateOnly(torch.autograd.Function):
+    """The do-nothing autograd function the host target is measured against."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.empty_like(grad)
+
+
+def _cpu_us_per_call(fn, calls=2000):
+    import time
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    return elapsed * 1e6
+
+
+def _host_overhead():
+    """CPU time of eager calls on a small shape (launch-bound), in one process: one forward,
+    Triton vs TE; the autograd round trip (forward + grad), ours vs an autograd function that
+    only allocates (the target: at most 40 us more)."""
+    t = torch.randn(128, 1, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+    freqs = RotaryPositionEmbedding(64, device=DEVICE)(128)
+    fns = {"Triton": lambda: apply_rotary_pos_emb(t, freqs)}
+    te_fn, te_name = load_te_rope()
+    if te_fn is not None:
+        fns[f"TE ({te_name})"] = lambda: te_fn(t, freqs)
+    report = [f"{name} {_cpu_us_per_call(fn):.1f} us" for name, fn in fns.items()]
+    x, grad = t.detach().requires_grad_(True), torch.randn_like(t)
+    empty = _cpu_us_per_call(lambda: torch.autograd.grad(_AllocateOnly.apply(x), x, grad))
+    ours = _cpu_us_per_call(lambda: torch.autograd.grad(apply_rotary_pos_emb(x, freqs), x, grad))
+    return ("CPU time per eager call, [128, 1, 8, 64] bf16: " + ", ".join(report)
+            + f"; autograd round trip: Triton {ours:.1f} us, an allocate-only autograd.Function "
+            f"{empty:.1f} us: {ours - empty:+.1f} us (target <= +40)")
+
+
+WARM_UP_SECONDS = 2.0
+
+
+def _warm_up():
+    """Copies for WARM_UP_SECONDS before the first timing: a fresh process's first timing
+    runs on a cold GPU (docs/benchmarks.md), and when it is a copy, every provider of that
+    point reads as faster than the copy."""
+    import time
+    src = torch.empty(2 ** 27, dtype=torch.float32, device=DEVICE)      # 512 MB
+    dst = torch.empty_like(src)
+    deadline = time.perf_counter() + WARM_UP_SECONDS
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+
+
+def _parse_list(text, known, what):
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def _parse_modes(text):
+    """Requested modes, matched on letters and digits only (so `forward+backward_cuda_graph`
+    names the graphed mode) and split into the parameter sweeps' and the models sweep's."""
+    norm = lambda m: re.sub(r"[^a-z0-9]", "", m.lower())        # noqa: E731
+    wanted = {norm(m) for m in text.split(",") if m.strip()}
+    known = {norm(m) for m in MODES + MODEL_MODES}
+    if wanted - known:
+        raise SystemExit(f"unknown modes in {text!r} (known: {', '.join(MODES + MODEL_MODES)})")
+    return [m for m in MODES if norm(m) in wanted], [m for m in MODEL_MODES if norm(m) in wanted]
+
+
+def _parser():
+    import argparse
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Results go to artifacts/<gpu>/ (h100, h200, else the device name); a run merges its "
+               "points into that folder's results.json and regenerates its summary, plots and "
+               "results.html, and artifacts/SUMMARY.md.")
+    parser.add_argument("--sweeps", default=",".join(SWEEPS),
+                        help=f"comma-separated sweeps (default all: {','.join(SWEEPS)})")
+    parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES))
+    parser.add_argument("--modes", default=",".join(MODES + MODEL_MODES),
+                        help=f"comma-separated; {', '.join(MODES)} apply to the parameter sweeps, "
+                             f"{', '.join(MODEL_MODES)} to models (default: all)")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="only regenerate the summaries, every plot and CSV, and results.html from "
+                             "artifacts/*/results.json (no GPU needed)")
+    parser.add_argument("--accuracy", nargs="?", const=ACCURACY_PATH, metavar="PNG",
+                        help="only run the accuracy study and write it to PNG and the .csv beside it "
+                             f"(default {os.path.relpath(ACCURACY_PATH)}; the committed one comes from a GPU)")
+    return parser
+
+
+def _run_accuracy(path):
+    if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--accuracy needs a CUDA GPU, or TRITON_INTERPRET=1 (numpy's sin/cos then "
+                         "stand in for the GPU's: not for the committed plot)")
+    rows = plot_accuracy(path)
+    print(f"wrote {path} and its .csv ({len(rows)} positions)")
+
+
+def _timed_rows(sweeps, dtypes, modes, model_modes, stamp):
+    """Every requested sweep, dtype and mode, timed: the result rows, each with `stamp`."""
+    results = []
+    for i, sweep in enumerate(sweeps, 1):
+        progress = f"[sweep {i}/{len(sweeps)}] {sweep}"
+        if sweep != "models":
+            for dtype_name in dtypes:
+                for mode in modes:
+                    _run_sweep(sweep, dtype_name, mode, results, progress)
+        elif model_modes:
+            _run_models(dtypes, model_modes, results, stamp, progress=progress)
+        else:
+            print(f"{progress} skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
+    for r in results:
+        r.update({k: v for k, v in stamp.items() if k not in r})
+    return results
+
+
+def run_benchmarks(argv=None):
+    import time
+    args = _parser().parse_args(argv)
+    if args.summary_only:
+        report.regenerate()
+        print(open(os.path.join(ARTIFACTS_ROOT, "SUMMARY.md")).read())
+        return
+    if args.accuracy:
+        _run_accuracy(args.accuracy)
+        return
+    sweeps = _parse_list(args.sweeps, SWEEPS, "sweeps")
+    dtypes = _parse_list(args.dtypes, BENCH_DTYPES, "dtypes")
+    modes, model_modes = _parse_modes(args.modes)
+    if not ON_GPU:
+        raise SystemExit("make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)")
+    started = time.perf_counter()
+    gpu = report.gpu_slug(torch.cuda.get_device_name())
+    out_dir = os.path.join(ARTIFACTS_ROOT, gpu)
+    os.makedirs(out_dir, exist_ok=True)
+    env = _environment()
+    print("environment:", env, "->", out_dir, flush=True)
+    print("peers:", {k: "ok" for k in _peers()[0]}, _peers()[1], flush=True)
+    stamp = dict(kernel=report.source_hash(), device_code=report.device_code_stamp(), date=env["date"])
+    results_path, run_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "run.json")
+    previous = report.load_json(results_path, [])
+    _warm_up()
+    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp)
+    # Points measured now replace the same points of an earlier (partial) run.
+    fresh = {report.row_key(r) for r in results}
+    merged = [r for r in previous if report.row_key(r) not in fresh] + results
+    with open(results_path, "w") as f:
+        json.dump(merged, f, indent=1)
+    extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}
+    # Restamp notes stay: rows of earlier runs that this one did not replace keep their stamps.
+    restamped = report.load_json(run_path, {}).get("restamped", [])
+    with open(run_path, "w") as f:
+        json.dump({"environment": env, "extras": extras, "kernel": stamp["kernel"],
+                   "device_code": stamp["device_code"]} | ({"restamped": restamped} if restamped else {}),
+                  f, indent=1)
+    report.regenerate([gpu])
+    print(open(os.path.join(out_dir, "SUMMARY.md")).read())
+    print(f"{_BENCH_CALLS[0]} timings (do_bench calls), {time.perf_counter() - started:.0f} s in all", flush=True)
+
