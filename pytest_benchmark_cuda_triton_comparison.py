@@ -54,6 +54,7 @@ import triton.language as tl
 
 import rope_bench_report as report
 import triton_rotary_kernel
+import triton_rotary_launch
 from rope_bench import run_benchmarks
 from rope_fuzz_strategies import (
     assert_fuzz_close,
@@ -90,7 +91,8 @@ from rope_test_support import (
     unfused_reference,
 )
 from te_comparator import load_te_rope
-from triton_rotary_kernel import _program_tokens, _tile_sequences, set_rotary_kernel
+from triton_rotary_kernel import _program_tokens, _tile_sequences
+from triton_rotary_launch import set_rotary_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding,
     apply_fused_qkv_rotary_pos_emb,
@@ -1443,7 +1445,7 @@ def test_zero_size_fused_qkv_and_inplace(qkv_shape, angles):
         for out, ref in zip(outs, refs):
             torch.testing.assert_close(out, ref)
     # The backward launcher alone, from empty gradients.
-    assert triton_rotary_kernel.set_rotary_qkv_kernel(
+    assert triton_rotary_launch.set_rotary_qkv_kernel(
         qkv.detach(), freqs, freqs, split, grads=tuple(torch.zeros_like(o) for o in outs)).shape == qkv_shape
     # In place on an empty tensor: nothing to do, t comes back.
     t = torch.randn(s, b, kv, 8, device=DEVICE)
@@ -1682,7 +1684,7 @@ def test_bad_input_raises_named_error(name, breaker, error, message, fused):
 
 
 def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
-    monkeypatch.setattr(triton_rotary_kernel, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_rotary_launch, "_interpreting", lambda: False)
     t = torch.randn(4, 2, 3, 16)
     with pytest.raises(TypeError, match="needs a CUDA tensor"):
         apply_rotary_pos_emb(t, RotaryPositionEmbedding(16, device="cpu")(8))
@@ -1723,7 +1725,7 @@ def test_qkv_errors_name_qkv_arguments(breaker, error, message, fused):
 
 
 def test_qkv_error_without_interpreter_names_qkv(monkeypatch):
-    monkeypatch.setattr(triton_rotary_kernel, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_rotary_launch, "_interpreting", lambda: False)
     freqs = RotaryPositionEmbedding(8, device="cpu")(8)
     with pytest.raises(TypeError, match=r"^qkv is on cpu: the Triton kernel needs a CUDA tensor"):
         apply_fused_qkv_rotary_pos_emb(torch.randn(4, 2, 2, 32), freqs, freqs, [16, 8, 8])
@@ -1759,7 +1761,7 @@ def test_qkv_backward_grads_and_overlapping_out_are_rejected():
     qkv = torch.randn(4, 2, 2, 32, device=DEVICE)
     dq, dk = torch.randn(4, 2, 4, 8, device=DEVICE), torch.randn(4, 2, 2, 8, device=DEVICE)
     with pytest.raises(TypeError, match="dq, dk, dv"):
-        triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], grads=(dq, dk))
+        triton_rotary_launch.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], grads=(dq, dk))
     buffer = torch.randn(2 * 4 * 2 * 3 * 8, device=DEVICE)
     t = buffer[: 4 * 2 * 3 * 8].view(4, 2, 3, 8)
     out = buffer[8: 8 + 4 * 2 * 3 * 8].view(4, 2, 3, 8)       # overlaps t, shifted by a head
@@ -2165,7 +2167,7 @@ def test_tile_sequence_search_matches_searchsorted(case, index_dtype):
                                for _ in range(3))
     _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
         cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, BLOCK_T=block_t,
-        SEARCH_LEVELS=triton_rotary_kernel._search_levels(num_seqs))
+        SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs))
     local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
     tokens = torch.arange(num_tokens)
     expected = (torch.searchsorted(local_cu, tokens, right=True) - 1).clamp(min=0)
@@ -2180,13 +2182,13 @@ def test_other_launch_configs(monkeypatch, tile, min_programs):
     thd sequences), tails of the token grid, and tiles shrunk to give a big GPU enough
     programs: all give the same result."""
     if ON_GPU:
-        monkeypatch.setattr(triton_rotary_kernel, "TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "SEARCH_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "QKV_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "MIN_PROGRAMS_PER_SM", min_programs)
+        monkeypatch.setattr(triton_rotary_launch, "TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_launch, "SEARCH_TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_launch, "QKV_TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_launch, "MIN_PROGRAMS_PER_SM", min_programs)
     else:
-        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_kernel, "INTERPRETER_MIN_PROGRAMS", min_programs)
+        monkeypatch.setattr(triton_rotary_launch, "INTERPRETER_TILE_BYTES", tile)
+        monkeypatch.setattr(triton_rotary_launch, "INTERPRETER_MIN_PROGRAMS", min_programs)
     torch.manual_seed(9)
     for interleaved in (False, True):
         freqs = RotaryPositionEmbedding(16, interleaved=interleaved, device=DEVICE)(7)
@@ -2208,12 +2210,12 @@ def test_other_launch_configs(monkeypatch, tile, min_programs):
 def test_program_grid_orders_head_programs_next_to_each_other():
     """One program per token block: the 2-D grid, no division in the kernel; several: one axis,
     the head programs of a token block adjacent; more programs than a launch takes: ValueError."""
-    assert triton_rotary_kernel._program_grid(7, 1) == ((7, 1), False)
-    assert triton_rotary_kernel._program_grid(7, 3) == ((21, 1), True)
+    assert triton_rotary_launch._program_grid(7, 1) == ((7, 1), False)
+    assert triton_rotary_launch._program_grid(7, 3) == ((21, 1), True)
     with pytest.raises(ValueError, match="^t needs 2147483648 programs; a launch takes at most"):
-        triton_rotary_kernel._program_grid(2**30, 2)
+        triton_rotary_launch._program_grid(2**30, 2)
     with pytest.raises(ValueError, match="^qkv needs"):
-        triton_rotary_kernel._program_grid(2**30, 2, "qkv")
+        triton_rotary_launch._program_grid(2**30, 2, "qkv")
 
 
 def test_repeated_calls_and_misaligned_views():
@@ -2242,7 +2244,7 @@ def test_launches_after_the_first_use_the_compiled_kernels_launcher():
     t = torch.randn(9, 2, 3, 32, device=DEVICE)
     freqs = RotaryPositionEmbedding(32, device=DEVICE)(9)
     first = set_rotary_kernel(t, freqs)
-    runners = [r for p in triton_rotary_kernel._PLANS.values() if p.launch is not None
+    runners = [r for p in triton_rotary_launch._PLANS.values() if p.launch is not None
                and p.launch.fn is triton_rotary_kernel.rotary_kernel for r in p.launch.runners.values()]
     assert runners, "no plan holds a launcher: every launch went through Triton's JIT"
     assert all(r.direct for r in runners), "the direct launch did not engage"
@@ -2309,7 +2311,7 @@ def test_plan_cache_keeps_validation():
     t = torch.randn(4, 2, 3, 8, device=DEVICE)
     set_rotary_kernel(t, freqs, interleaved=True)
     set_rotary_kernel(t, freqs, cp_size=1, cp_rank=0)
-    triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], interleaved=True)
+    triton_rotary_launch.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], interleaved=True)
     for kwargs, match in ((dict(interleaved=1), "interleaved must be a bool"),
                           (dict(cp_size=True), "cp_size must be an int"),
                           (dict(cp_size=1.0), "cp_size must be an int"),
@@ -2318,7 +2320,7 @@ def test_plan_cache_keeps_validation():
         with pytest.raises(TypeError, match=match):
             set_rotary_kernel(t, freqs, **kwargs)
         with pytest.raises(TypeError, match=match):
-            triton_rotary_kernel.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], **kwargs)
+            triton_rotary_launch.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], **kwargs)
         with pytest.raises(TypeError, match=match):
             apply_rotary_pos_emb(t, freqs, **kwargs)
 
@@ -2327,16 +2329,16 @@ def test_launch_rule_changes_make_new_plans(monkeypatch):
     """test_other_launch_configs changes the launch-rule constants and expects new tiles: the
     plan key must include them. Count launch_config calls: every constant change plans anew
     (and a repeated call does not), and the new tile shapes still give the right result."""
-    monkeypatch.setattr(triton_rotary_kernel, "_PLANS", {})          # no plans from other tests
+    monkeypatch.setattr(triton_rotary_launch, "_PLANS", {})          # no plans from other tests
     calls = []
-    original = triton_rotary_kernel.launch_config
+    original = triton_rotary_launch.launch_config
 
     def counting(*args, **kwargs):
         grid, meta = original(*args, **kwargs)
         calls.append((grid, dict(meta)))
         return grid, meta
 
-    monkeypatch.setattr(triton_rotary_kernel, "launch_config", counting)
+    monkeypatch.setattr(triton_rotary_launch, "launch_config", counting)
     freqs = RotaryPositionEmbedding(16, device=DEVICE)(4)
     t = torch.randn(4, 2, 2, 24, device=DEVICE)
     expected = apply_rotary_pos_emb(t, freqs, fused=False)
@@ -2354,7 +2356,7 @@ def test_launch_rule_changes_make_new_plans(monkeypatch):
     changes += [("NUM_WARPS", 1), ("TILE_BYTES" if not ON_GPU else "INTERPRETER_TILE_BYTES", 64),
                 ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7)]
     for number, (name, value) in enumerate(changes, start=2):
-        monkeypatch.setattr(triton_rotary_kernel, name, value)
+        monkeypatch.setattr(triton_rotary_launch, name, value)
         call()
         call()
         assert len(calls) == number, (name, value)
@@ -2568,46 +2570,61 @@ def test_kernels_overview_counts_kernel_modes_only():
     assert report.kernels_overview(only_eager)["triton"] is None
 
 
-def _edited_kernel(tmp_path, name, edit):
-    """A copy of triton_rotary_kernel.py with `edit` (text -> text) applied."""
-    with open(report.KERNEL_FILE) as f:
+def _edited_copy(tmp_path, path, name, edit):
+    """A copy of the file at `path` with `edit` (text -> text) applied."""
+    with open(path) as f:
         text = f.read()
-    path = tmp_path / f"{name}.py"
-    path.write_text(edit(text))
-    return str(path)
+    copy = tmp_path / f"{name}.py"
+    copy.write_text(edit(text))
+    return str(copy)
 
 
 def _replace_line(pattern, new):
     """An edit replacing the one line that matches `pattern` (a regex) with `new`."""
     def edit(text):
         edited, count = re.subn(pattern, new, text, count=1, flags=re.MULTILINE)
-        assert count == 1, f"no line matches {pattern!r} in triton_rotary_kernel.py"
+        assert count == 1, f"no line matches {pattern!r}"
         return edited
     return edit
 
 
 def test_device_code_stamp_ignores_host_code(tmp_path):
-    """The stamp changes with the device code (a @triton.jit function, a tl.constexpr global)
-    and the launch rule (a constant launch_config reads), and not with host code (a new host
-    function, a host check's limit, the plan cache's size)."""
+    """The stamp changes with the device code (a @triton.jit function, a tl.constexpr global
+    of triton_rotary_kernel.py) and the launch rule (a constant launch_config reads in
+    triton_rotary_launch.py), and not with host code (a new host function, a host check's
+    limit, the plan cache's size)."""
     stamp = report.device_code_stamp
-    base = stamp(_edited_kernel(tmp_path, "same", lambda text: text))
-    assert base == stamp() and re.fullmatch(r"[0-9a-f]{12}", base)
+
+    def kernel_edit(name, edit):
+        return stamp(kernel_file=_edited_copy(tmp_path, report.KERNEL_FILE, "kernel_" + name, edit))
+
+    def launch_edit(name, edit):
+        return stamp(launch_file=_edited_copy(tmp_path, report.LAUNCH_FILE, "launch_" + name, edit))
+
+    base = kernel_edit("same", lambda text: text)
+    assert base == stamp() == launch_edit("same", lambda text: text)
+    assert re.fullmatch(r"[0-9a-f]{12}", base)
     host_edits = {
         "host_function": lambda text: text + "\n\ndef _host_only_helper():\n    return 1\n",
         "host_check": _replace_line(r"^MAX_SEQUENCES = .*$", "MAX_SEQUENCES = 2**25"),
         "plan_cache": _replace_line(r"^_MAX_PLANS = .*$", "_MAX_PLANS = 17"),
     }
+    for name, edit in host_edits.items():
+        assert launch_edit(name, edit) == base, name
+    comment = lambda text: text.replace("# out1 = x1*cos1", "# the rotation: out1 = x1*cos1")  # noqa: E731
+    assert kernel_edit("comment", comment) == base
     device_edits = {
         "jit_function": lambda text: text + "\n\n@triton.jit\ndef _new_device_helper(x):\n    return x + 1\n",
         "constexpr": _replace_line(r"^SEARCH_FAN = tl\.constexpr\(.*$", "SEARCH_FAN = tl.constexpr(2)"),
+    }
+    for name, edit in device_edits.items():
+        assert kernel_edit(name, edit) != base, name
+    launch_rule_edits = {
         "launch_constant": _replace_line(r"^TILE_BYTES = .*$", "TILE_BYTES = 2048"),
         "qkv_tile": _replace_line(r"^QKV_TILE_BYTES = .*$", "QKV_TILE_BYTES = 4096"),
     }
-    for name, edit in host_edits.items():
-        assert stamp(_edited_kernel(tmp_path, name, edit)) == base, name
-    for name, edit in device_edits.items():
-        assert stamp(_edited_kernel(tmp_path, name, edit)) != base, name
+    for name, edit in launch_rule_edits.items():
+        assert launch_edit(name, edit) != base, name
 
 
 def test_device_code_stamp_is_the_gpu_processes_stamp():

@@ -29,7 +29,7 @@ from rope_bench_report import (
 )
 from rope_test_support import ACCURACY_PATH, DEVICE, ON_GPU, plot_accuracy
 from te_comparator import load_te_qkv_rope, load_te_rope
-from triton_rotary_kernel import set_rotary_kernel, set_rotary_qkv_kernel
+from triton_rotary_launch import set_rotary_kernel, set_rotary_qkv_kernel
 from triton_rotary_main import RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 
 BENCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -28,12 +28,14 @@ import math
 import os
 import re
 import statistics
+import sys
 import textwrap
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARTIFACTS_ROOT = os.path.join(HERE, "artifacts")
 KERNEL_FILE = os.path.join(HERE, "triton_rotary_kernel.py")
+LAUNCH_FILE = os.path.join(HERE, "triton_rotary_launch.py")
 API_FILE = os.path.join(HERE, "triton_rotary_main.py")
 
 # --- What the benchmark measures (the timing code in the test file reads these too) -----------
@@ -132,18 +134,18 @@ COPY_STYLE = dict(color="black", ls="--", lw=1.0, zorder=2)
 # --- The stamp of a row: the device code and the launch rule that timed it ---------------------
 
 def source_hash():
-    """Short hash of the whole kernel and API sources (the `kernel` field of a row). Any edit
+    """Short hash of the whole kernel, launcher and API sources (the `kernel` field of a row). Any edit
     changes it, host code included: it says which sources ran, not whether timing could
     have changed (that is `device_code_stamp`)."""
     digest = hashlib.sha256()
-    for path in (KERNEL_FILE, API_FILE):
+    for path in (KERNEL_FILE, LAUNCH_FILE, API_FILE):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]
 
 
 @functools.lru_cache(maxsize=None)
-def device_code_stamp(kernel_file=KERNEL_FILE):
+def device_code_stamp(kernel_file=KERNEL_FILE, launch_file=LAUNCH_FILE):
     """Short hash of what decides a timing (the `device_code` field of a row):
 
     (a) the code of every @triton.jit function defined in `kernel_file` (by default
@@ -151,11 +153,11 @@ def device_code_stamp(kernel_file=KERNEL_FILE):
         do_not_specialize, shape the compiled variants);
     (b) that module's tl.constexpr globals, name and value (the kernels read them as
         compile-time constants);
-    (c) the launch rule: the code of `launch_config` and the values of the module constants
-        it reads, with those its callers pass it as tile sizes (`_launch_rule` lists them for
-        the plan cache's key).
+    (c) the launch rule: the code of `launch_config` in `launch_file` (by default
+        triton_rotary_launch.py) and the values of the module constants it reads, with those
+        its callers pass it as tile sizes (`_launch_rule` lists them for the plan cache's key).
 
-    The values are those of a GPU process: the module is loaded afresh with the interpreter
+    The values are those of a GPU process: both modules are loaded afresh with the interpreter
     off, so the stamp computed here (TRITON_INTERPRET=1, where _HARDWARE_SINCOS is false) is
     the one the benchmark stamped.
 
@@ -170,28 +172,41 @@ def device_code_stamp(kernel_file=KERNEL_FILE):
     though they shape a launch, are the choices made around launch_config: which tile size a
     plan builder asks it for (inside _make_plan, among the checks) and the grid order
     (_program_grid); a change there must be judged by hand before rows are restamped."""
-    module = _kernel_module_as_on_gpu(kernel_file)
+    kernel, launch = _modules_as_on_gpu(kernel_file, launch_file)
     digest = hashlib.sha256()
-    for part in _device_code_parts(module):
+    for part in _device_code_parts(kernel, launch):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:12]
 
 
-def _kernel_module_as_on_gpu(kernel_file):
-    """A fresh copy of the kernel module, loaded with TRITON_INTERPRET=0 (Triton's @jit
-    then builds JITFunctions; nothing is compiled, so no GPU is needed)."""
-    saved = os.environ.get("TRITON_INTERPRET")
+def _modules_as_on_gpu(kernel_file, launch_file):
+    """Fresh copies of the kernel and launch modules, loaded with TRITON_INTERPRET=0 (Triton's
+    @jit then builds JITFunctions; nothing is compiled, so no GPU is needed). The launch copy
+    imports the kernel copy; the process's own modules are left as they are."""
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    saved_kernel = sys.modules.get("triton_rotary_kernel")
     os.environ["TRITON_INTERPRET"] = "0"
     try:
-        spec = importlib.util.spec_from_file_location("_rope_kernel_for_stamp", kernel_file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        kernel = _load_module("_rope_kernel_for_stamp", kernel_file)
+        sys.modules["triton_rotary_kernel"] = kernel
+        launch = _load_module("_rope_launch_for_stamp", launch_file)
     finally:
-        if saved is None:
+        if saved_env is None:
             del os.environ["TRITON_INTERPRET"]
         else:
-            os.environ["TRITON_INTERPRET"] = saved
+            os.environ["TRITON_INTERPRET"] = saved_env
+        if saved_kernel is None:
+            sys.modules.pop("triton_rotary_kernel", None)
+        else:
+            sys.modules["triton_rotary_kernel"] = saved_kernel
+    return kernel, launch
+
+
+def _load_module(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
@@ -204,18 +219,18 @@ def _jit_types():
     return JITFunction, InterpretedFunction
 
 
-def _device_code_parts(module):
+def _device_code_parts(kernel, launch):
     """The texts device_code_stamp hashes, in a fixed order."""
     import triton.language as tl
-    names = vars(module)
+    names = vars(kernel)
     jit = [n for n in sorted(names) if isinstance(names[n], _jit_types())
-           and getattr(names[n].fn, "__module__", None) == module.__name__]
+           and getattr(names[n].fn, "__module__", None) == kernel.__name__]
     for name in jit:
         yield f"jit {name}\n{_code(names[name].fn)}"
     for name in sorted(n for n in names if isinstance(names[n], tl.constexpr)):
         yield f"constexpr {name} = {names[name].value!r}"
-    yield f"launch_config\n{_code(module.launch_config)}"
-    for name, value in _launch_constants(module):
+    yield f"launch_config\n{_code(launch.launch_config)}"
+    for name, value in _launch_constants(launch):
         yield f"constant {name} = {value!r}"
 
 

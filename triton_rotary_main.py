@@ -1,6 +1,6 @@
 """Public API: a drop-in for Transformer Engine's `apply_rotary_pos_emb` and
-`RotaryPositionEmbedding`, backed by the Triton kernel in `triton_rotary_kernel.py`, plus
-angles computed in the kernel from positions.
+`RotaryPositionEmbedding`, backed by the Triton kernels in `triton_rotary_kernel.py` (launched by
+`triton_rotary_launch.py`), plus angles computed in the kernel from positions.
 
     rope = RotaryPositionEmbedding(128)                               # or .from_hf_config(cfg)
     freqs = rope(max_seq_len=4096)                                    # TE's table [s2, 1, 1, d2]
@@ -15,7 +15,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from triton_rotary_kernel import (
+from triton_rotary_launch import (
     AngleSource,
     angle_source,
     check_layout,
@@ -385,32 +385,20 @@ class RopeCall(NamedTuple):
     transpose: bool
 
 
-def _save_call(ctx, tensors, without_tensors):
-    """Keep a call for the backward: its tensors through `ctx.save_for_backward`, the rest as
-    `without_tensors` (the call with those fields None). Modifying a saved tensor in place
-    before the backward then raises PyTorch's in-place error, as it does with TE, instead of
-    giving the gradient of other angles or positions."""
-    ctx.present = tuple(t is not None for t in tensors)
-    ctx.save_for_backward(*(t for t in tensors if t is not None))
-    ctx.call = without_tensors
-
-
-def _saved_tensors(ctx):
-    """The tensors `_save_call` saved, None where the call had none, in its order."""
-    saved = iter(ctx.saved_tensors)
-    return [next(saved) if present else None for present in ctx.present]
-
+# The tensors a call's backward reads besides the gradient go through ctx.save_for_backward, so
+# that modifying one in place before the backward raises PyTorch's in-place error, as it does
+# with TE, instead of giving the gradient of other angles or positions. ctx.call keeps the rest
+# (it holds the same tensors; the backward takes them from saved_tensors, which checks them).
 
 def _save_rope_call(ctx, call):
     source = call.source
-    _save_call(ctx, (source.angles, source.pair_axis, call.start_positions,
-                           call.cu_seqlens, call.positions),
-               call._replace(source=source._replace(angles=None, pair_axis=None),
-                             start_positions=None, cu_seqlens=None, positions=None))
+    ctx.save_for_backward(source.angles, source.pair_axis, call.start_positions, call.cu_seqlens,
+                          call.positions)
+    ctx.call = call
 
 
 def _saved_rope_call(ctx):
-    angles, pair_axis, start_positions, cu_seqlens, positions = _saved_tensors(ctx)
+    angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
     call = ctx.call
     return call._replace(source=call.source._replace(angles=angles, pair_axis=pair_axis),
                          start_positions=start_positions, cu_seqlens=cu_seqlens,
@@ -694,15 +682,13 @@ class QKVCall(NamedTuple):
 
 def _save_qkv_call(ctx, call):
     q, k = call.q_source, call.k_source
-    _save_call(ctx, (q.angles, q.pair_axis, k.angles, k.pair_axis, call.start_positions,
-                           call.positions),
-               call._replace(q_source=q._replace(angles=None, pair_axis=None),
-                             k_source=k._replace(angles=None, pair_axis=None),
-                             start_positions=None, positions=None))
+    ctx.save_for_backward(q.angles, q.pair_axis, k.angles, k.pair_axis, call.start_positions,
+                          call.positions)
+    ctx.call = call
 
 
 def _saved_qkv_call(ctx):
-    q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = _saved_tensors(ctx)
+    q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
     call = ctx.call
     return call._replace(q_source=call.q_source._replace(angles=q_angles, pair_axis=q_pair_axis),
                          k_source=call.k_source._replace(angles=k_angles, pair_axis=k_pair_axis),

@@ -1,0 +1,786 @@
+"""The launcher of the RoPE kernels in triton_rotary_kernel.py: argument checks (the one place
+they live), the launch rule and grid, the cached launch plan, and the launch itself.
+
+`set_rotary_kernel` and `set_rotary_qkv_kernel` are what triton_rotary_main's autograd
+functions and custom ops call: one plan lookup (or, on a miss, the checks and a new plan) and
+one kernel launch.
+"""
+
+import functools
+import warnings
+from typing import NamedTuple
+
+import torch
+import triton
+
+from triton_rotary_kernel import (
+    _INTERPRETING,
+    AXIS_POSITIONS_TENSOR,
+    IMPLICIT_POSITIONS,
+    POSITIONS_TENSOR,
+    SEARCH_FAN,
+    rotary_kernel,
+    rotary_qkv_kernel,
+)
+
+TENSOR_FORMATS = ("sbhd", "bshd", "thd")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
+# thd: the search for a token's sequence looks up to TILE_FAN times past an index of
+# cu_seqlens, in int32.
+MAX_SEQUENCES = 2**26
+# Launch rule (docs/design.md). A program rotates a tile of whole (token, head)
+# rows, about TILE_BYTES of them: the fewest heads of one token that hold TILE_BYTES, or all
+# its heads and then as many tokens as it takes, with NUM_WARPS warps. At 4 warps a tile of
+# 4 KiB has each thread load one 16-byte vector of each half of the rotated channels. Tiles
+# shrink (tokens first, then heads) while fewer than MIN_PROGRAMS_PER_SM programs per SM
+# would remain.
+TILE_BYTES = 4096
+NUM_WARPS = 4
+MIN_PROGRAMS_PER_SM = 4
+# thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
+# program, more of their (latency-bound) searches in flight at once.
+SEARCH_TILE_BYTES = 8192
+# Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
+# or v by program id, work that smaller tiles repeat more often.
+QKV_TILE_BYTES = 8192
+# The interpreter runs each program in Python: fewer, larger programs run much faster there.
+INTERPRETER_TILE_BYTES = 1 << 18
+INTERPRETER_MIN_PROGRAMS = 0
+
+
+def _interpreting() -> bool:
+    return _INTERPRETING
+
+
+def _launch_rule():
+    """The constants `launch_config` reads; part of every plan's key."""
+    return (TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
+            INTERPRETER_TILE_BYTES, INTERPRETER_MIN_PROGRAMS, _interpreting())
+
+
+class RopeShape(NamedTuple):
+    """Sizes of one RoPE call, as `check_rope_args` read them."""
+    seq_len: int       # s (sbhd/bshd) or total tokens t (thd)
+    batch: int         # b (sbhd/bshd) or number of sequences (thd)
+    nheads: int
+    head_dim: int      # d
+    rotary_dim: int    # d2
+    num_tokens: int    # rows of [h, d] to process
+
+
+class AngleSource(NamedTuple):
+    """Where a call's angles come from, read off `freqs` by `angle_source`."""
+    angles: torch.Tensor      # the table [s2, 1, 1, d2] (float32), or inv_freq [d2/2] (float32)
+    from_positions: bool      # angles = position * inv_freq, computed in the kernel
+    pair_axis: object         # int32 [d2/2]: position axis of each pair (M-RoPE), or None
+    n_axes: int               # position axes (1, or the M-RoPE sections)
+    scale: float              # multiplies cos and sin (YaRN's attention factor)
+    interleaved: object       # the module's pair layout; None for a table
+
+
+def _check_source(source, name):
+    """An AngleSource built elsewhere (the custom ops' arguments) holds what the kernel reads."""
+    angles, pair_axis = source.angles, source.pair_axis
+    if not isinstance(angles, torch.Tensor) or angles.dtype != torch.float32:
+        raise TypeError(f"{name} angles must be a float32 tensor")
+    if source.from_positions:
+        if angles.dim() != 1 or angles.numel() == 0:
+            raise ValueError(f"{name}: inv_freq must be non-empty and 1-D, got "
+                             f"{tuple(angles.shape)}")
+        if (source.n_axes > 1) != (pair_axis is not None) or (
+                pair_axis is not None and (pair_axis.dtype != torch.int32
+                                           or pair_axis.shape != angles.shape)):
+            raise TypeError(f"{name}: pair_axis must be int32 of inv_freq's shape exactly when "
+                            f"n_axes > 1")
+    elif pair_axis is not None or source.n_axes != 1:
+        raise ValueError(f"{name}: a table has one position axis and no pair_axis")
+
+
+def angle_source(freqs, name="freqs"):
+    """The AngleSource of `freqs`: a table tensor (TE's interface), or a module with
+    `inv_freq` (RotaryPositionEmbedding, or anything with its attributes)."""
+    if isinstance(freqs, AngleSource):
+        _check_source(freqs, name)
+        return freqs
+    if isinstance(freqs, torch.Tensor):
+        if not freqs.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (used as float32), got "
+                            f"{freqs.dtype}")
+        # Used as float32 (cast, as TE does); a negative-bit view is resolved, not read raw.
+        return AngleSource(freqs.float().resolve_neg(), False, None, 1, 1.0, None)
+    inv_freq = getattr(freqs, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (angle table) or a "
+                        f"RotaryPositionEmbedding, got {type(freqs).__name__}")
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or inv_freq.numel() == 0:
+        raise TypeError(f"{name}.inv_freq must be a non-empty 1-D float32 tensor, got "
+                        f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    n_axes = int(getattr(freqs, "n_axes", 1))
+    pair_axis = getattr(freqs, "pair_axis", None) if n_axes > 1 else None
+    if n_axes > 1 and (not isinstance(pair_axis, torch.Tensor) or pair_axis.dtype != torch.int32
+                       or pair_axis.shape != inv_freq.shape):
+        raise TypeError(f"{name}.pair_axis must be int32 of inv_freq's shape "
+                        f"{tuple(inv_freq.shape)} when {name}.n_axes > 1, got "
+                        f"{getattr(pair_axis, 'dtype', pair_axis)} "
+                        f"{tuple(getattr(pair_axis, 'shape', ()))}")
+    return AngleSource(inv_freq.resolve_neg().contiguous(), True,
+                       None if pair_axis is None else pair_axis.resolve_neg().contiguous(), n_axes,
+                       float(getattr(freqs, "attention_scaling", 1.0)),
+                       bool(getattr(freqs, "interleaved", False)))
+
+
+def check_layout(source, interleaved, freqs_name="freqs"):
+    """`interleaved` is a bool, and the layout a module was built for."""
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    if source.interleaved is not None and source.interleaved != interleaved:
+        raise ValueError(f"interleaved={interleaved} but {freqs_name} was built with "
+                         f"interleaved={source.interleaved}")
+
+
+def _check_index_tensor(name, value, device, length=None, t_name="t"):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
+    if value.device != device:
+        raise TypeError(f"{name} is on {value.device} but {t_name} is on {device}")
+    if value.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+    if length is not None and value.numel() != length:
+        raise ValueError(f"{name} must have {length} entries (one per sequence), "
+                         f"got {value.numel()}")
+
+
+def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seqlens=None,
+                    cp_size=1, cp_rank=0, interleaved=False, positions=None, need_kernel=True,
+                    t_name="t", freqs_name="freqs") -> RopeShape:
+    """Validate one call's arguments (TE's semantics, plus `positions` and angles from a
+    RotaryPositionEmbedding) and return its sizes.
+
+    Raises TypeError for wrong types, dtypes or devices and ValueError for wrong shapes,
+    formats or values, each naming the argument (`t_name`/`freqs_name` for entry points that
+    call them otherwise). Reads only metadata: no device sync, so it is safe under CUDA graph
+    capture and on fake tensors. Checks that need the *values* of positions / cu_seqlens are
+    made by the kernel itself (NaN or pass-through, see `apply_rotary_pos_emb`).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{t_name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{t_name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
+    if not isinstance(tensor_format, str) or tensor_format not in TENSOR_FORMATS:
+        raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
+    want_rank = 3 if tensor_format == "thd" else 4
+    if t.dim() != want_rank:
+        raise ValueError(f"{t_name} must be {want_rank}-D for tensor_format={tensor_format!r} "
+                         f"([{', '.join(tensor_format)}]), got shape {tuple(t.shape)}")
+    source = angle_source(freqs, freqs_name)
+    if source.angles.device != t.device:
+        raise TypeError(f"{freqs_name} is on {source.angles.device} but {t_name} is on {t.device}")
+    if source.pair_axis is not None and source.pair_axis.device != t.device:
+        raise TypeError(f"{freqs_name}.pair_axis is on {source.pair_axis.device} but {t_name} "
+                        f"is on {t.device}")
+    check_layout(source, interleaved, freqs_name)
+    for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
+    if start_positions is not None and cp_size > 1:
+        raise ValueError("start_positions is not supported with cp_size > 1 (as in TE)")
+
+    head_dim = t.shape[-1]
+    if source.from_positions:
+        rotary_dim = 2 * source.angles.numel()
+    else:
+        if source.angles.dim() != 4 or source.angles.shape[1] != 1 or source.angles.shape[2] != 1:
+            raise ValueError(f"{freqs_name} must have shape [s2, 1, 1, d2], got "
+                             f"{tuple(source.angles.shape)}")
+        rotary_dim = source.angles.shape[-1]
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"{freqs_name}' last dimension (rotary dim d2) must be even and > 0, "
+                             f"got {rotary_dim}")
+    if rotary_dim > head_dim:
+        raise ValueError(f"{freqs_name}' rotary dim d2={rotary_dim} exceeds {t_name}'s head dim "
+                         f"d={head_dim}")
+
+    if tensor_format == "thd":
+        num_tokens, nheads = t.shape[0], t.shape[1]
+        if positions is None:
+            if cu_seqlens is None:
+                raise ValueError("cu_seqlens is required when tensor_format='thd' (or positions)")
+            _check_index_tensor("cu_seqlens", cu_seqlens, t.device, t_name=t_name)
+            if cu_seqlens.numel() < 2:
+                raise ValueError(f"cu_seqlens must have at least 2 entries ([b + 1]), "
+                                 f"got {cu_seqlens.numel()}")
+            batch = cu_seqlens.numel() - 1
+            if batch > MAX_SEQUENCES:
+                raise ValueError(f"cu_seqlens holds {batch} sequences; at most {MAX_SEQUENCES} "
+                                 f"(the search for a token's sequence indexes it in int32)")
+        elif cu_seqlens is not None:
+            raise ValueError("give cu_seqlens or positions for tensor_format='thd', not both: "
+                             "positions already place every token")
+        else:
+            batch = 1
+        seq_len = num_tokens
+    else:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens is only valid with tensor_format='thd', "
+                             f"got tensor_format={tensor_format!r}")
+        seq_len, batch = (t.shape[0], t.shape[1]) if tensor_format == "sbhd" else (t.shape[1], t.shape[0])
+        nheads = t.shape[2]
+        num_tokens = seq_len * batch
+        if not source.from_positions and positions is None and seq_len * cp_size > source.angles.shape[0]:
+            raise ValueError(f"{freqs_name} has {source.angles.shape[0]} positions but the "
+                             f"sequence needs s * cp_size = {seq_len} * {cp_size}")
+        if cp_size > 1 and seq_len % 2:
+            raise ValueError(f"with cp_size > 1 the local sequence length must be even "
+                             f"(two chunks per rank), got {seq_len}")
+    if start_positions is not None:
+        _check_index_tensor("start_positions", start_positions, t.device, length=batch,
+                            t_name=t_name)
+    if positions is not None:
+        _check_positions(positions, source, tensor_format, seq_len, batch, t.device, t_name,
+                         freqs_name, start_positions is not None, cp_size)
+    if need_kernel and t.device.type != "cuda" and not _interpreting():
+        raise TypeError(f"{t_name} is on {t.device}: the Triton kernel needs a CUDA tensor "
+                        f"(or TRITON_INTERPRET=1 for CPU tensors)")
+    if num_tokens > _INT32_MAX:
+        raise ValueError(f"{t_name} has {num_tokens} tokens; at most {_INT32_MAX} are supported")
+    return RopeShape(seq_len, batch, nheads, head_dim, rotary_dim, num_tokens)
+
+
+def _check_positions(positions, source, tensor_format, seq_len, batch, device, t_name,
+                     freqs_name, has_start, cp_size):
+    """`positions`: one integer position per token, [s] or [b, s] (sbhd/bshd), [t] (thd);
+    with an M-RoPE module a leading axis dimension, [n_axes, ...]."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor or None, got {type(positions).__name__}")
+    if positions.dtype not in INDEX_DTYPES:
+        raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+    if positions.device != device:
+        raise TypeError(f"positions is on {positions.device} but {t_name} is on {device}")
+    if has_start:
+        raise ValueError("positions and start_positions cannot be combined: positions "
+                         "already give every token's position")
+    if cp_size > 1:
+        raise ValueError("positions cannot be combined with cp_size > 1: give each rank's "
+                         "own positions instead")
+    shapes = [(seq_len,)] if tensor_format == "thd" else [(seq_len,), (batch, seq_len)]
+    names = ["[t]"] if tensor_format == "thd" else ["[s]", "[b, s]"]
+    if source.n_axes > 1:
+        shapes = [(source.n_axes, *s) for s in shapes]
+        names = [f"[{source.n_axes}, {n[1:]}" for n in names]
+    if tuple(positions.shape) not in shapes:
+        raise ValueError(f"positions must have shape {' or '.join(names)} "
+                         f"({' or '.join(str(s) for s in shapes)}) for "
+                         f"tensor_format={tensor_format!r}"
+                         + (f" and {freqs_name} with {source.n_axes} position axes"
+                            if source.n_axes > 1 else "")
+                         + f", got {tuple(positions.shape)}")
+
+
+def _position_strides(positions, source, tensor_format):
+    """(axis, seq, batch) element strides of `positions`; a [s] tensor is shared by the batch."""
+    if positions is None:
+        return 0, 0, 0
+    strides = list(positions.stride())
+    axis = strides.pop(0) if source.n_axes > 1 else 0
+    if len(strides) == 1:
+        return axis, strides[0], 0
+    return axis, strides[1], strides[0]
+
+
+def _overlaps_itself(x: torch.Tensor) -> bool:
+    """True if two elements of x share memory (e.g. an expanded tensor): walking the dims
+    from the smallest stride up, each stride must step past everything spanned so far."""
+    span = 0
+    for stride, size in sorted((st, s) for s, st in zip(x.shape, x.stride()) if s > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of a and b in one storage intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(x):
+        start = x.storage_offset() * x.element_size()
+        extent = sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride())) + 1
+        return start, start + extent * x.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _token_strides(x: torch.Tensor, tensor_format: str):
+    """(seq, batch, head, dim) strides of x in the given format; thd has no batch stride."""
+    if tensor_format == "thd":
+        return x.stride(0), 0, x.stride(1), x.stride(2)
+    return (*_seq_batch_strides(x, tensor_format), x.stride(2), x.stride(3))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
+                  tile_bytes=None):
+    """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
+    autotuning). Large inputs get one tile shape whatever their length; only inputs too small
+    to give every SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled
+    variants). `tile_bytes`: the data a tile holds (TILE_BYTES unless given)."""
+    block_half = triton.next_power_of_2(shape.rotary_dim // 2)
+    pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
+    block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
+    row_bytes = (shape.rotary_dim + pass_dims) * element_size   # one (token, head) of a tile
+    if _interpreting():
+        tile_bytes = INTERPRETER_TILE_BYTES
+        min_programs = INTERPRETER_MIN_PROGRAMS
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tile_bytes = TILE_BYTES if tile_bytes is None else tile_bytes
+        min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
+    rows = triton.next_power_of_2(triton.cdiv(tile_bytes, row_bytes))
+    block_h = min(triton.next_power_of_2(shape.nheads), rows)
+    block_t = min(triton.next_power_of_2(shape.num_tokens), max(1, rows // block_h))
+
+    def programs():
+        return triton.cdiv(shape.num_tokens, block_t) * triton.cdiv(shape.nheads, block_h)
+
+    while block_t > 1 and programs() < min_programs:
+        block_t //= 2
+    while block_h > 1 and programs() < min_programs:
+        block_h //= 2
+    grid = (triton.cdiv(shape.num_tokens, block_t), triton.cdiv(shape.nheads, block_h))
+    meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+                num_warps=NUM_WARPS)
+    return grid, meta
+
+
+_MAX_GRID_X = 2**31 - 1
+
+
+def _program_grid(token_blocks: int, head_programs: int, t_name: str = "t"):
+    """(grid, FLAT_GRID) for token_blocks x head_programs programs. Several programs per token
+    block go on one grid axis, those of a token block next to each other, so that a token's
+    heads are rotated at about the same time and memory is walked in order (on axis 1 they
+    would come a whole pass over the tokens apart). One program per token block needs no
+    division of the program id."""
+    if head_programs == 1:
+        return (token_blocks, 1), False
+    if token_blocks * head_programs > _MAX_GRID_X:
+        raise ValueError(f"{t_name} needs {token_blocks * head_programs} programs; a launch takes at "
+                         f"most {_MAX_GRID_X}")
+    return (token_blocks * head_programs, 1), True
+
+
+def _search_levels(num_seqs: int) -> int:
+    """Steps of one token's thd search, SEARCH_FAN ** levels > num_seqs (indices
+    0..num_seqs; the search for a tile's first token takes half as many), and at least 2.
+
+    WORKAROUND(Triton 3.6): with one step, LLVM's SLP vectorizer aborts on some tiles (an
+    assertion in BoUpSLP; interleaved float32 tiles of 8 tokens x 8 heads)."""
+    levels = 2
+    while SEARCH_FAN.value ** levels <= num_seqs:
+        levels += 1
+    return levels
+
+
+_WARNED = set()
+
+
+def _warn_once(kind, message):
+    """Warn about `kind` (a short tag) once per process."""
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        warnings.warn(f"triton_rotary: Triton {triton.__version__} {message}", RuntimeWarning,
+                      stacklevel=4)
+
+
+def _compiled_runner(kernel, grid):
+    """A launcher for a compiled kernel and a grid, or None, with one warning, on a Triton
+    whose compiled kernels have no runner.
+
+    Triton's runner (`CompiledKernel.__getitem__`, what Triton's JIT launches through after
+    binding the arguments) looks up the stream and builds launch metadata for launch hooks
+    (profilers register them) before calling the kernel's C launcher, `CompiledKernel.run`.
+    While no hook is registered, the launcher returned here calls `run` directly, without
+    metadata; otherwise it calls the runner. `direct` says whether it can call `run`."""
+    try:
+        runner = kernel[(grid[0], grid[1], 1)]
+    except (TypeError, AttributeError, KeyError) as err:
+        _warn_once("no runner", f"gives no runner for a compiled kernel ({err!r}); every launch "
+                   f"goes through Triton's JIT, which costs more CPU time per call")
+        return None
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+        hooks = knobs.runtime
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+        get_stream, device = driver.active.get_current_stream, driver.active.get_current_device()
+        enter.calls, leave.calls            # noqa: B018 (hook chains: lists of hooks)
+    except (ImportError, AttributeError) as err:
+        _warn_once("no direct launch", f"lacks a part of the direct launch ({err!r}); launches "
+                   f"go through Triton's runner, which costs more CPU time per call")
+        runner.direct = False
+        return runner
+    g0, g1 = grid
+
+    def launch(*args):
+        if (hooks.launch_enter_hook is enter and hooks.launch_exit_hook is leave
+                and not enter.calls and not leave.calls):
+            run(g0, g1, 1, get_stream(device), function, packed, None, None, None, *args)
+        else:
+            runner(*args)
+    launch.direct = True
+    return launch
+
+
+class _Launch:
+    """One planned launch of a Triton kernel (grid, scalar arguments and constexprs fixed).
+
+    The first call per device and pointer alignment (which Triton specializes on) goes
+    through Triton's JIT, which compiles or finds the kernel; later calls hand the arguments
+    to the compiled kernel's launcher (`_compiled_runner`), skipping the JIT's per-call binding
+    and specialization of ~40 arguments, which costs more CPU time than a small RoPE takes on
+    the GPU. `runners` holds the launchers (tests check that it fills).
+    """
+
+    def __init__(self, fn, grid, scalars, constexprs):
+        self.fn, self.grid, self.scalars, self.constexprs = fn, grid, scalars, constexprs
+        # Values of the constexpr parameters in signature order (they come last).
+        self.constexpr_values = tuple(constexprs[n] for n in fn.arg_names if n in constexprs)
+        self.runners = {}
+
+    def __call__(self, *tensors):
+        # How to launch follows the real environment (tests vary the launch rule alone,
+        # through _interpreting()).
+        if _INTERPRETING:
+            self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
+            return
+        key = (torch.cuda.current_device(),
+               *[x is not None and not x.data_ptr() % 16 for x in tensors])
+        runner = self.runners.get(key)
+        if runner is not None:
+            runner(*tensors, *self.scalars, *self.constexpr_values)
+            return
+        kernel = self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
+        runner = _compiled_runner(kernel, self.grid)
+        if runner is not None:
+            self.runners[key] = runner
+
+
+class _Plan(NamedTuple):
+    """A validated call: its launch (None when there is nothing to compute) and, for the
+    fused QKV, the (q, k, v) widths."""
+    launch: object
+    split: tuple = ()
+
+
+# Launch plans keyed by everything the checks and the launch rule read (tensors' metadata,
+# never their values; other arguments with their types). A repeated call skips both: small
+# RoPE calls take less GPU time than the checks take CPU time, so host time decides them.
+_PLANS = {}
+_MAX_PLANS = 4096
+
+
+def _metadata_key(tensors, values):
+    """A plan's key: each tensor's metadata (never its values), the other arguments with
+    their types (so that 2 and 2.0, True and 1 are told apart), and the launch rule; None
+    where an argument has no tensor metadata (the checks will say what is wrong with it)."""
+    try:
+        meta = [None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in tensors]
+    except (AttributeError, TypeError):
+        return None
+    return (*meta, values, tuple([type(v) for v in values]), _launch_rule())
+
+
+def _typed(seq):
+    """A list argument as a hashable key part that keeps each element's type."""
+    if isinstance(seq, (list, tuple)):
+        return tuple([(e, type(e)) for e in seq])
+    return seq
+
+
+def _cached_plan(key, make):
+    """The plan stored under `key`, made (and so validated) on first use."""
+    try:
+        plan = _PLANS.get(key) if key is not None else None
+    except TypeError:        # an unhashable argument: not cacheable, the checks will name it
+        key = plan = None
+    if plan is None:
+        plan = make()
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _source_key(source):
+    """The non-tensor fields of an AngleSource (whatever `source` is: the checks judge it)."""
+    if isinstance(source, AngleSource):
+        return source.from_positions, source.n_axes, source.scale, source.interleaved
+    return (type(source),)
+
+
+def _table_strides(source):
+    """(row, channel) element strides of a table; zeros for angles from positions."""
+    return (0, 0) if source.from_positions else (source.angles.stride(0), source.angles.stride(3))
+
+
+def _source_scalars(source):
+    """(rows of the table or 0, cos/sin scale) of an AngleSource."""
+    return (0 if source.from_positions else source.angles.shape[0]), source.scale
+
+
+def _as_source(freqs, name):
+    """A table or module as an AngleSource; anything else, an AngleSource included, is left
+    for the plan's checks (everything `_check_source` reads is part of the plan's key)."""
+    if isinstance(freqs, torch.Tensor) or hasattr(freqs, "inv_freq"):
+        return angle_source(freqs, name)
+    return freqs
+
+
+def _positions_mode(source, positions):
+    if positions is None:
+        return IMPLICIT_POSITIONS.value
+    return AXIS_POSITIONS_TENSOR.value if source.n_axes > 1 else POSITIONS_TENSOR.value
+
+
+def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
+               interleaved, backward, out, positions):
+    shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
+                            cp_rank, interleaved, positions)
+    in_place = out is t
+    if in_place and _overlaps_itself(t):
+        raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
+                         "expanded tensor)")
+    if out is not None and not in_place:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.shape != t.shape or out.dtype != t.dtype or out.device != t.device:
+            raise ValueError(f"out must have t's shape {tuple(t.shape)}, dtype {t.dtype} and "
+                             f"device {t.device}, got {tuple(out.shape)} {out.dtype} {out.device}")
+        if _overlaps_itself(out):
+            raise ValueError("out must not overlap itself in memory")
+    if t.numel() == 0:
+        return _Plan(None)
+    x_strides = _token_strides(t, tensor_format)
+    out_strides = x_strides if in_place else (
+        _token_strides(out, tensor_format) if out is not None else
+        _token_strides(torch.empty(t.shape, device="meta"), tensor_format))
+    widest = max((shape.nheads - 1) * abs(s_h) + (shape.head_dim - 1) * abs(s_d)
+                 for _, _, s_h, s_d in (x_strides, out_strides))
+    is_thd = tensor_format == "thd"
+    grid, meta = launch_config(shape, t.device, copy_pass=not in_place,
+                               element_size=t.element_size(),
+                               tile_bytes=SEARCH_TILE_BYTES if is_thd and positions is None else None)
+    freqs_len, scale = _source_scalars(source)
+    scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
+               shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale, source.n_axes,
+               *x_strides, *out_strides,
+               *_table_strides(source),
+               *_position_strides(positions, source, tensor_format))
+    constexprs = dict(INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
+                      SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
+                      WIDE_INNER=widest > _INT32_MAX,
+                      ANGLES_FROM_POSITIONS=source.from_positions,
+                      POSITIONS_FROM=_positions_mode(source, positions),
+                      SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0, **meta)
+    grid, constexprs["FLAT_GRID"] = _program_grid(*grid)
+    return _Plan(_Launch(rotary_kernel, grid, scalars, constexprs))
+
+
+def _index_tensor(x):
+    """Index tensors are read with unit stride and without a negative bit."""
+    return x.resolve_neg().contiguous() if isinstance(x, torch.Tensor) else x
+
+
+def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
+                      cu_seqlens=None, cp_size=1, cp_rank=0, backward=False, out=None,
+                      positions=None):
+    """Check the arguments, allocate the output, set up the grid and launch `rotary_kernel`.
+
+    `freqs` is a table tensor, a RotaryPositionEmbedding or an AngleSource. `t` may have any
+    strides; the result is contiguous in `t`'s format and dtype. With `backward=True`, `t` is
+    the gradient of the output and the result the gradient of the input. `out=t` rotates in
+    place (channels past d2 are not touched); `t` must then not overlap itself in memory.
+    """
+    if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
+        if out is t:
+            raise ValueError("in-place RoPE needs t without a negative or conjugate bit "
+                             "(call t.resolve_neg() first)")
+        t = t.resolve_neg()          # the kernel reads raw memory: apply the sign first
+    if isinstance(out, torch.Tensor) and out is not t and out.is_neg():
+        raise ValueError("out must not have the negative bit")
+    source = _as_source(freqs, "freqs")
+    if start_positions is not None or cu_seqlens is not None or positions is not None:
+        start_positions, cu_seqlens, positions = map(_index_tensor,
+                                                      (start_positions, cu_seqlens, positions))
+    tensors = (t, getattr(source, "angles", source), getattr(source, "pair_axis", None),
+               start_positions, cu_seqlens, positions, None if out is t else out)
+    key = _metadata_key(tensors, ("rope", tensor_format, interleaved, cp_size, cp_rank,
+                                  backward, out is t, *_source_key(source)))
+    plan = _cached_plan(key, lambda: _make_plan(t, source, tensor_format, start_positions,
+                                                cu_seqlens, cp_size, cp_rank, interleaved,
+                                                backward, out, positions))
+    # After the plan, which validated out against t: whether they share memory is a matter
+    # of data pointers, which no plan's key holds, so it is checked on every call.
+    if out is not None and out is not t and _share_memory(out, t):
+        raise ValueError("out must not share memory with t (pass out=t to rotate in place)")
+    if out is None:
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    if plan.launch is not None:
+        plan.launch(out, t, source.angles, source.pair_axis, positions, start_positions,
+                    cu_seqlens)
+    return out
+
+
+def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
+                   cp_size, cp_rank, interleaved, positions=None, need_kernel=True):
+    """Validate a fused-QKV call; returns (RopeShape of the key part, (q, k, v) widths)."""
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(f"tensor_format must be 'sbhd' or 'bshd' for fused QKV, got {tensor_format!r}")
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    split = qkv_split_arg_list
+    if (not isinstance(split, (list, tuple)) or len(split) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split)):
+        raise ValueError(f"qkv_split_arg_list must be three positive ints [q, k, v], got {split!r}")
+    if qkv.dim() != 4 or qkv.shape[-1] != sum(split):
+        raise ValueError(f"qkv must be 4-D [{', '.join(tensor_format[:3])}, q+k+v] with last dim "
+                         f"{sum(split)} = sum(qkv_split_arg_list), got shape {tuple(qkv.shape)}")
+    if split[0] % split[1]:
+        raise ValueError(f"qkv_split_arg_list: q width {split[0]} must be a multiple of the head "
+                         f"dim (k width) {split[1]}")
+    key_part = qkv[..., split[0]:split[0] + split[1]]
+    shapes = [check_rope_args(key_part, freqs, tensor_format, start_positions, None, cp_size,
+                              cp_rank, interleaved, positions, need_kernel, t_name="qkv",
+                              freqs_name=name)
+              for name, freqs in (("q_freqs", q_freqs), ("k_freqs", k_freqs))]
+    q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
+    if shapes[0].rotary_dim != shapes[1].rotary_dim:
+        raise ValueError(f"q_freqs and k_freqs must rotate the same number of channels, got "
+                         f"{shapes[0].rotary_dim} and {shapes[1].rotary_dim}")
+    if (q_source.from_positions, q_source.n_axes) != (k_source.from_positions, k_source.n_axes):
+        raise TypeError("q_freqs and k_freqs must be of one kind: both tables, or both "
+                        "RotaryPositionEmbedding with the same number of position axes")
+    return shapes[1], tuple(split)
+
+
+def _seq_batch_strides(x: torch.Tensor, tensor_format: str):
+    return (x.stride(0), x.stride(1)) if tensor_format == "sbhd" else (x.stride(1), x.stride(0))
+
+
+def _qkv_views(qkv, split, grads, result):
+    """(q, k, v) in and out views for the kernel: q as [.., kv heads, q heads per kv, d]."""
+    q_dim, k_dim, _ = split
+    q_per_kv, kv_heads = q_dim // k_dim, qkv.shape[2]
+    packed = qkv if grads is None else result
+    q_packed = packed[..., :q_dim].unflatten(-1, (q_per_kv, k_dim))
+    k_packed, v_packed = packed[..., q_dim:q_dim + k_dim], packed[..., q_dim + k_dim:]
+    if grads is None:
+        return (q_packed, result[0].unflatten(2, (kv_heads, q_per_kv)), k_packed, result[1],
+                v_packed, result[2])
+    dq, dk, dv = grads
+    return dq.unflatten(2, (kv_heads, q_per_kv)), q_packed, dk, k_packed, dv, v_packed
+
+
+def qkv_outputs(qkv, split, grads=None):
+    lead, kv_heads = qkv.shape[:2], qkv.shape[2]
+    new = functools.partial(torch.empty, dtype=qkv.dtype, device=qkv.device)
+    if grads is not None:
+        return new(qkv.shape)
+    q_dim, k_dim, v_dim = split
+    return (new(*lead, kv_heads * (q_dim // k_dim), k_dim), new(*lead, kv_heads, k_dim),
+            new(*lead, kv_heads, v_dim))
+
+
+def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_positions, interleaved,
+                   cp_size, cp_rank, grads, positions):
+    shape, split = check_qkv_args(qkv, q_source, k_source, split, tensor_format, start_positions,
+                                  cp_size, cp_rank, interleaved, positions)
+    q_dim, k_dim, v_dim = split
+    kv_heads, q_per_kv = qkv.shape[2], q_dim // k_dim
+    if grads is not None:
+        want = [(*qkv.shape[:2], kv_heads * q_per_kv, k_dim), (*qkv.shape[:2], kv_heads, k_dim),
+                (*qkv.shape[:2], kv_heads, v_dim)]
+        if len(grads) != 3 or not all(isinstance(g, torch.Tensor) for g in grads):
+            raise TypeError("grads must be three tensors (dq, dk, dv)")
+        for name, g, shp in zip(("dq", "dk", "dv"), grads, want):
+            if tuple(g.shape) != shp or g.dtype != qkv.dtype or g.device != qkv.device:
+                raise ValueError(f"{name} must have shape {shp}, dtype {qkv.dtype} and device "
+                                 f"{qkv.device}, got {tuple(g.shape)} {g.dtype} {g.device}")
+    if qkv.numel() == 0:
+        return _Plan(None, split)
+    views = _qkv_views(qkv, split, grads, qkv_outputs(qkv.to("meta"), split, grads))
+    widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in views)
+    # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
+    # as keep its tile no larger than a query tile.
+    grid, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
+                               copy_pass=True, element_size=qkv.element_size(),
+                               tile_bytes=QKV_TILE_BYTES)
+    row = 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"]
+    block_v = triton.next_power_of_2(v_dim)
+    block_kv = min(meta["BLOCK_H"], triton.next_power_of_2(kv_heads))
+    while block_kv > 1 and block_kv * (row + block_v) > meta["BLOCK_H"] * row:
+        block_kv //= 2
+    q_programs = triton.cdiv(kv_heads * q_per_kv, meta["BLOCK_H"])
+    k_programs = triton.cdiv(kv_heads, block_kv)
+    # (seq, batch, then the remaining dims) strides of each view, in the kernel's order.
+    strides = [s for x in views for s in (*_seq_batch_strides(x, tensor_format), *x.stride()[2:])]
+    (q_len, q_scale), (k_len, k_scale) = _source_scalars(q_source), _source_scalars(k_source)
+    scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
+               k_dim, v_dim, q_len, k_len, q_scale, k_scale, q_source.n_axes, cp_size, cp_rank,
+               q_programs,
+               *strides, *_table_strides(q_source), *_table_strides(k_source),
+               *_position_strides(positions, q_source, tensor_format))
+    constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v,
+                      BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
+                      HAS_START=start_positions is not None, INTERLEAVED=interleaved,
+                      WIDE_INNER=widest > _INT32_MAX,
+                      ANGLES_FROM_POSITIONS=q_source.from_positions,
+                      POSITIONS_FROM=_positions_mode(q_source, positions), **meta)
+    grid, constexprs["FLAT_GRID"] = _program_grid(grid[0], q_programs + k_programs, "qkv")
+    return _Plan(_Launch(rotary_qkv_kernel, grid, scalars, constexprs), split)
+
+
+def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
+                          start_positions=None, interleaved=False, cp_size=1, cp_rank=0,
+                          grads=None, positions=None):
+    """Fused QKV RoPE in one launch. Forward (grads=None): qkv [s, b, h_kv, q+k+v] (or bshd)
+    -> (q [.., h_kv*q/d, d], k [.., h_kv, d], v [.., h_kv, v]), contiguous. Backward
+    (grads=(dq, dk, dv), any strides): -> the packed gradient of qkv, contiguous."""
+    if isinstance(qkv, torch.Tensor):
+        qkv = qkv.resolve_neg()
+    if grads is not None:
+        grads = tuple(g.resolve_neg() if isinstance(g, torch.Tensor) else g for g in grads)
+    sources = [_as_source(q_freqs, "q_freqs"), _as_source(k_freqs, "k_freqs")]
+    start_positions, positions = _index_tensor(start_positions), _index_tensor(positions)
+    split = qkv_split_arg_list
+    tensors = (qkv, *[getattr(s, "angles", s) for s in sources],
+               *[getattr(s, "pair_axis", None) for s in sources], start_positions, positions,
+               *(grads or ()))
+    key = _metadata_key(tensors, ("qkv", _typed(split), tensor_format, interleaved, cp_size,
+                                  cp_rank, grads is None, *_source_key(sources[0]),
+                                  *_source_key(sources[1])))
+    plan = _cached_plan(key, lambda: _make_qkv_plan(
+        qkv, *sources, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
+        grads, positions))
+    result = qkv_outputs(qkv, plan.split, grads)
+    if plan.launch is not None:
+        q_source, k_source = sources
+        q_in, q_out, k_in, k_out, v_in, v_out = _qkv_views(qkv, plan.split, grads, result)
+        plan.launch(q_out, k_out, v_out, q_in, k_in, v_in, q_source.angles, k_source.angles,
+                    q_source.pair_axis, k_source.pair_axis, positions, start_positions)
+    return result
