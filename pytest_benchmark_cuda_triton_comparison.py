@@ -2297,6 +2297,31 @@ def test_thd_tile_loads_are_issued_before_the_sequence_search():
         assert tile["loads"][:3] == ["LDG.E.128", "LDG.E.128", "LDG.E.EL"], tile["loads"]
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter launches through Triton's JIT only")
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_direct_launch_switch(direct):
+    """ROPE_DIRECT_LAUNCH (read at import, so in a fresh process): 1, the default, keeps a
+    compiled-kernel launcher per plan after the first call; 0 launches every call through
+    Triton's JIT and keeps none. The results are the same either way."""
+    import subprocess
+    import sys
+    code = ("import torch, triton_rotary_launch as L\n"
+            "from triton_rotary_main import RotaryPositionEmbedding, apply_rotary_pos_emb\n"
+            "t = torch.randn(16, 2, 4, 64, device='cuda')\n"
+            "freqs = RotaryPositionEmbedding(64, device='cuda')(16)\n"
+            "outs = [apply_rotary_pos_emb(t, freqs) for _ in range(3)]\n"
+            "ref = apply_rotary_pos_emb(t, freqs, fused=False)\n"
+            "assert all(torch.equal(o, outs[0]) for o in outs)\n"
+            "torch.testing.assert_close(outs[0], ref)\n"
+            "print(sum(len(p.launch.runners) for p in L._PLANS.values() if p.launch is not None))\n")
+    env = dict(os.environ, ROPE_DIRECT_LAUNCH=direct)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    runners = int(run.stdout.split()[-1])
+    assert (runners > 0) if direct == "1" else (runners == 0), runners
+
+
 def test_plan_cache_keeps_validation():
     """A cached launch plan must not let through what the checks reject: 16.0 == 16, True == 1
     and 1 == True hash alike, so a key of values without types would match the valid call's."""

@@ -7,6 +7,7 @@ one kernel launch.
 """
 
 import functools
+import os
 import warnings
 from typing import NamedTuple
 
@@ -405,6 +406,14 @@ def _warn_once(kind, message):
                       stacklevel=4)
 
 
+# The direct launch (`_compiled_runner`) uses Triton internals: CompiledKernel.run with the
+# kernel's packed metadata, and the launch hooks of triton.knobs.runtime. Measured and tested on
+# Triton 3.6 (H100, H200); where a part is missing it warns once and falls back to Triton's
+# runner or JIT. ROPE_DIRECT_LAUNCH=0 (read at import) turns it off: every launch then goes
+# through Triton's JIT, the same kernels at more CPU time per call.
+DIRECT_LAUNCH = os.environ.get("ROPE_DIRECT_LAUNCH", "1") != "0"
+
+
 def _compiled_runner(kernel, grid):
     """A launcher for a compiled kernel and a grid, or None, with one warning, on a Triton
     whose compiled kernels have no runner.
@@ -464,7 +473,7 @@ class _Launch:
     def __call__(self, *tensors):
         # How to launch follows the real environment (tests vary the launch rule alone,
         # through _interpreting()).
-        if _INTERPRETING:
+        if _INTERPRETING or not DIRECT_LAUNCH:
             self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
             return
         key = (torch.cuda.current_device(),
