@@ -11,7 +11,7 @@
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -425,70 +425,91 @@ class RopeForwardAndBackward(torch.autograd.Function):
         return _rope_launch(grad_out, call, not call.transpose), None
 
 
-def _source(angles, pair_axis, from_positions, n_axes, scale):
-    # A custom op's arguments back into an AngleSource; the pair layout was checked at the
-    # entry point, where the module's own layout was known.
-    return AngleSource(angles, from_positions, pair_axis, n_axes, scale, None)
-
-
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
-# shape-polymorphic node per launch instead of tracing (and specialising on) the launcher.
-@torch.library.custom_op("triton_rotary::rope", mutates_args=())
-def _rope_op(t: torch.Tensor, angles: torch.Tensor, pair_axis: Optional[torch.Tensor],
-             from_positions: bool, n_axes: int, scale: float, tensor_format: str,
-             start_positions: Optional[torch.Tensor], interleaved: bool,
-             cu_seqlens: Optional[torch.Tensor], cp_size: int, cp_rank: int,
-             positions: Optional[torch.Tensor], backward: bool) -> torch.Tensor:
-    return set_rotary_kernel(t, _source(angles, pair_axis, from_positions, n_axes, scale),
-                             tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                             cp_rank, backward=backward, positions=positions)
+# shape-polymorphic node per launch instead of tracing (and specialising on) the launcher. A call
+# crosses an op flattened to the types an op takes; the schemas below are the one statement of
+# that order (the ops and their fakes take *args), `_rope_op_args` / `_qkv_op_args` flatten in
+# it and `_rope_call` / `_qkv_call` read it back.
+_ROPE_CALL_SCHEMA = ("Tensor angles, Tensor? pair_axis, bool from_positions, int n_axes, float scale, "
+                     "str tensor_format, Tensor? start_positions, bool interleaved, Tensor? cu_seqlens, "
+                     "int cp_size, int cp_rank, Tensor? positions")
 
 
-@_rope_op.register_fake
-def _(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
-      interleaved, cu_seqlens, cp_size, cp_rank, positions, backward):
-    check_rope_args(t, _source(angles, pair_axis, from_positions, n_axes, scale), tensor_format,
-                    start_positions, cu_seqlens, cp_size, cp_rank, interleaved, positions,
-                    need_kernel=False)
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-@torch.library.custom_op("triton_rotary::rope_", mutates_args=("t",))
-def _rope_inplace_op(t: torch.Tensor, angles: torch.Tensor, pair_axis: Optional[torch.Tensor],
-                     from_positions: bool, n_axes: int, scale: float, tensor_format: str,
-                     start_positions: Optional[torch.Tensor], interleaved: bool,
-                     cu_seqlens: Optional[torch.Tensor], cp_size: int, cp_rank: int,
-                     positions: Optional[torch.Tensor]) -> None:
-    set_rotary_kernel(t, _source(angles, pair_axis, from_positions, n_axes, scale),
-                      tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                      out=t, positions=positions)
-
-
-@_rope_inplace_op.register_fake
-def _(t, angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
-      interleaved, cu_seqlens, cp_size, cp_rank, positions):
-    check_rope_args(t, _source(angles, pair_axis, from_positions, n_axes, scale), tensor_format,
-                    start_positions, cu_seqlens, cp_size, cp_rank, interleaved, positions,
-                    need_kernel=False)
-
-
-def _op_args(call):
-    """A RopeCall as the custom ops' arguments (tensors, bools, ints, floats and strings)."""
+def _rope_op_args(call):
+    """A RopeCall as the rope ops' arguments, in _ROPE_CALL_SCHEMA's order."""
     src = call.source
     return (src.angles, src.pair_axis, src.from_positions, src.n_axes, src.scale,
             call.tensor_format, call.start_positions, call.interleaved, call.cu_seqlens,
             call.cp_size, call.cp_rank, call.positions)
 
 
-def _rope_launch(t, call: RopeCall, transpose: bool):
-    """`call` on t, its rotation transposed if `transpose` (the backward)."""
-    if torch.compiler.is_compiling():
-        check_layout(call.source, call.interleaved)     # the op's arguments drop the module's
-        return _rope_op(t, *_op_args(call), transpose)
-    # Eager: call the launcher directly, sparing the dispatcher's per-call overhead.
+def _rope_call(angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
+               interleaved, cu_seqlens, cp_size, cp_rank, positions, transpose=False):
+    """The rope ops' arguments back into a RopeCall. The module's pair layout is not among
+    them: it is checked before a call is flattened (`_compiled_or_eager`)."""
+    return RopeCall(AngleSource(angles, from_positions, pair_axis, n_axes, scale, None),
+                    tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                    positions, transpose)
+
+
+def _check_rope_call(t, call):
+    check_rope_args(t, call.source, call.tensor_format, call.start_positions, call.cu_seqlens,
+                    call.cp_size, call.cp_rank, call.interleaved, call.positions, need_kernel=False)
+
+
+def _rope_eager(t, call, transpose):
+    """`call` on t, its rotation transposed if `transpose` (the backward), straight to the
+    launcher."""
     return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
                              transpose, None, call.positions)
+
+
+def _rope_inplace_eager(t, call):
+    set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions, call.interleaved,
+                      call.cu_seqlens, call.cp_size, call.cp_rank, out=t, positions=call.positions)
+
+
+@torch.library.custom_op("triton_rotary::rope", mutates_args=(),
+                         schema=f"(Tensor t, {_ROPE_CALL_SCHEMA}, bool backward) -> Tensor")
+def _rope_op(t, *args):
+    call = _rope_call(*args)
+    return _rope_eager(t, call, call.transpose)
+
+
+@_rope_op.register_fake
+def _(t, *args):
+    _check_rope_call(t, _rope_call(*args))
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+@torch.library.custom_op("triton_rotary::rope_", mutates_args=("t",),
+                         schema=f"(Tensor(a!) t, {_ROPE_CALL_SCHEMA}) -> ()")
+def _rope_inplace_op(t, *args):
+    _rope_inplace_eager(t, _rope_call(*args))
+
+
+@_rope_inplace_op.register_fake
+def _(t, *args):
+    _check_rope_call(t, _rope_call(*args))
+
+
+def _compiled_or_eager(op, eager, tensors, call, op_args, *extra):
+    """`eager(*tensors, call, *extra)`, or under torch.compile the custom op `op` on the tensors,
+    the call flattened by `op_args`, and `extra`. Eager calls skip the op: its dispatcher costs
+    CPU time on every call. A module's pair layout does not survive the flattening, so it is
+    checked here, where the module is still known."""
+    if torch.compiler.is_compiling():
+        sources = (call.source,) if isinstance(call, RopeCall) else (call.q_source, call.k_source)
+        for source in sources:
+            check_layout(source, call.interleaved)
+        return op(*tensors, *op_args(call), *extra)
+    return eager(*tensors, call, *extra)
+
+
+def _rope_launch(t, call: RopeCall, transpose: bool):
+    """`call` on t, its rotation transposed if `transpose` (the backward)."""
+    return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, transpose)
 
 
 def token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
@@ -656,15 +677,10 @@ def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "s
     if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
         raise ValueError("apply_rotary_pos_emb_inplace is for inference: t requires grad; use "
                          "apply_rotary_pos_emb, or call it under torch.no_grad()")
-    source = angle_source(freqs)
-    if torch.compiler.is_compiling():
-        check_layout(source, interleaved)     # the op's arguments no longer carry the module's
-        _rope_inplace_op(t, *_op_args(RopeCall(source, tensor_format, start_positions,
-                                               interleaved, cu_seqlens, cp_size, cp_rank,
-                                               positions, False)))
-        return t
-    return set_rotary_kernel(t, source, tensor_format, start_positions, interleaved, cu_seqlens,
-                             cp_size, cp_rank, out=t, positions=positions)
+    call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved, cu_seqlens,
+                    cp_size, cp_rank, positions, False)
+    _compiled_or_eager(_rope_inplace_op, _rope_inplace_eager, (t,), call, _rope_op_args)
+    return t
 
 
 class QKVCall(NamedTuple):
@@ -729,8 +745,14 @@ class _FusedQKVRopeTranspose(torch.autograd.Function):
         return (*_qkv_launch(grad_dqkv, call), None)
 
 
+_QKV_CALL_SCHEMA = ("Tensor q_angles, Tensor? q_pair_axis, Tensor k_angles, Tensor? k_pair_axis, "
+                    "bool from_positions, int n_axes, float q_scale, float k_scale, "
+                    "int[] qkv_split_arg_list, str tensor_format, Tensor? start_positions, "
+                    "bool interleaved, int cp_size, int cp_rank, Tensor? positions")
+
+
 def _qkv_op_args(call):
-    """A QKVCall as the custom ops' arguments."""
+    """A QKVCall as the fused-QKV ops' arguments, in _QKV_CALL_SCHEMA's order."""
     q, k = call.q_source, call.k_source
     return (q.angles, q.pair_axis, k.angles, k.pair_axis, q.from_positions, q.n_axes, q.scale,
             k.scale, list(call.split), call.tensor_format, call.start_positions, call.interleaved,
@@ -740,62 +762,17 @@ def _qkv_op_args(call):
 def _qkv_call(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
               k_scale, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
               positions):
-    return QKVCall(_source(q_angles, q_pair_axis, from_positions, n_axes, q_scale),
-                   _source(k_angles, k_pair_axis, from_positions, n_axes, k_scale),
+    """The fused-QKV ops' arguments back into a QKVCall."""
+    return QKVCall(AngleSource(q_angles, from_positions, q_pair_axis, n_axes, q_scale, None),
+                   AngleSource(k_angles, from_positions, k_pair_axis, n_axes, k_scale, None),
                    split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
                    positions)
-
-
-@torch.library.custom_op("triton_rotary::qkv_rope", mutates_args=())
-def _qkv_op(qkv: torch.Tensor, q_angles: torch.Tensor, q_pair_axis: Optional[torch.Tensor],
-            k_angles: torch.Tensor, k_pair_axis: Optional[torch.Tensor], from_positions: bool,
-            n_axes: int, q_scale: float, k_scale: float, qkv_split_arg_list: List[int],
-            tensor_format: str, start_positions: Optional[torch.Tensor], interleaved: bool,
-            cp_size: int, cp_rank: int, positions: Optional[torch.Tensor]
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _qkv_eager(qkv, _qkv_call(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions,
-                                     n_axes, q_scale, k_scale, qkv_split_arg_list, tensor_format,
-                                     start_positions, interleaved, cp_size, cp_rank, positions))
-
-
-@_qkv_op.register_fake
-def _(qkv, *args):
-    call = _qkv_call(*args)
-    _, split = check_qkv_args(qkv, call.q_source, call.k_source, call.split,
-                              call.tensor_format, call.start_positions, call.cp_size,
-                              call.cp_rank, call.interleaved, call.positions, need_kernel=False)
-    return qkv_outputs(qkv, split)
-
-
-@torch.library.custom_op("triton_rotary::qkv_rope_backward", mutates_args=())
-def _qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                     q_angles: torch.Tensor, q_pair_axis: Optional[torch.Tensor],
-                     k_angles: torch.Tensor, k_pair_axis: Optional[torch.Tensor],
-                     from_positions: bool, n_axes: int, q_scale: float, k_scale: float,
-                     qkv_split_arg_list: List[int], tensor_format: str,
-                     start_positions: Optional[torch.Tensor], interleaved: bool, cp_size: int,
-                     cp_rank: int, positions: Optional[torch.Tensor]) -> torch.Tensor:
-    return _qkv_backward_eager(dq, dk, dv, _qkv_call(
-        q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale, k_scale,
-        qkv_split_arg_list, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-        positions))
-
-
-@_qkv_backward_op.register_fake
-def _(dq, dk, dv, *args):
-    return dq.new_empty((*dq.shape[:2], dk.shape[2], sum(args[8])))
 
 
 def _qkv_eager(qkv, call):
     return set_rotary_qkv_kernel(qkv, call.q_source, call.k_source, call.split,
                                  call.tensor_format, call.start_positions, call.interleaved,
                                  call.cp_size, call.cp_rank, positions=call.positions)
-
-
-def _qkv_launch(qkv, call):
-    if torch.compiler.is_compiling():
-        return _qkv_op(qkv, *_qkv_op_args(call))
-    return _qkv_eager(qkv, call)
 
 
 def _qkv_backward_eager(dq, dk, dv, call):
@@ -808,10 +785,39 @@ def _qkv_backward_eager(dq, dk, dv, call):
                                  positions=call.positions)
 
 
+@torch.library.custom_op("triton_rotary::qkv_rope", mutates_args=(),
+                         schema=f"(Tensor qkv, {_QKV_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor)")
+def _qkv_op(qkv, *args):
+    return _qkv_eager(qkv, _qkv_call(*args))
+
+
+@_qkv_op.register_fake
+def _(qkv, *args):
+    call = _qkv_call(*args)
+    _, split = check_qkv_args(qkv, call.q_source, call.k_source, call.split,
+                              call.tensor_format, call.start_positions, call.cp_size,
+                              call.cp_rank, call.interleaved, call.positions, need_kernel=False)
+    return qkv_outputs(qkv, split)
+
+
+@torch.library.custom_op("triton_rotary::qkv_rope_backward", mutates_args=(),
+                         schema=f"(Tensor dq, Tensor dk, Tensor dv, {_QKV_CALL_SCHEMA}) -> Tensor")
+def _qkv_backward_op(dq, dk, dv, *args):
+    return _qkv_backward_eager(dq, dk, dv, _qkv_call(*args))
+
+
+@_qkv_backward_op.register_fake
+def _(dq, dk, dv, *args):
+    call = _qkv_call(*args)
+    return dq.new_empty((*dq.shape[:2], dk.shape[2], sum(call.split)))
+
+
+def _qkv_launch(qkv, call):
+    return _compiled_or_eager(_qkv_op, _qkv_eager, (qkv,), call, _qkv_op_args)
+
+
 def _qkv_backward_launch(dq, dk, dv, call):
-    if torch.compiler.is_compiling():
-        return _qkv_backward_op(dq, dk, dv, *_qkv_op_args(call))
-    return _qkv_backward_eager(dq, dk, dv, call)
+    return _compiled_or_eager(_qkv_backward_op, _qkv_backward_eager, (dq, dk, dv), call, _qkv_op_args)
 
 
 def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
