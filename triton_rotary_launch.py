@@ -141,13 +141,18 @@ def check_layout(source, interleaved, freqs_name="freqs"):
                          f"interleaved={source.interleaved}")
 
 
-def _check_index_tensor(name, value, device, length=None, t_name="t"):
+def _check_index_type(name, value, device, t_name):
+    """An index argument: a torch.Tensor of an INDEX_DTYPES dtype on t's device."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
     if value.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
     if value.device != device:
         raise TypeError(f"{name} is on {value.device} but {t_name} is on {device}")
+
+
+def _check_index_tensor(name, value, device, length=None, t_name="t"):
+    _check_index_type(name, value, device, t_name)
     if value.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
     if length is not None and value.numel() != length:
@@ -259,12 +264,7 @@ def _check_positions(positions, source, tensor_format, seq_len, batch, device, t
                      freqs_name, has_start, cp_size):
     """`positions`: one integer position per token, [s] or [b, s] (sbhd/bshd), [t] (thd);
     with an M-RoPE module a leading axis dimension, [n_axes, ...]."""
-    if not isinstance(positions, torch.Tensor):
-        raise TypeError(f"positions must be a torch.Tensor or None, got {type(positions).__name__}")
-    if positions.dtype not in INDEX_DTYPES:
-        raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
-    if positions.device != device:
-        raise TypeError(f"positions is on {positions.device} but {t_name} is on {device}")
+    _check_index_type("positions", positions, device, t_name)
     if has_start:
         raise ValueError("positions and start_positions cannot be combined: positions "
                          "already give every token's position")
