@@ -86,7 +86,7 @@ _HARDWARE_SINCOS = tl.constexpr(not _INTERPRETING)
 # their results are exact, or their proofs assume one rounding. The GPU's tl.fma does; the
 # interpreters of Triton 3.5.1, 3.6 and 3.7.1 compute tl.fma as a multiply and an add (two
 # roundings: `TRITON_INTERPRET=1`, tl.fma(x, x, -x * x) of float32 x = 1 + 2^-12 gives 0, not
-# 2^-24), which made the exact-angle path wrong by up to 10% at 16M. So the interpreter gets a
+# 2^-24), which would put the exact-angle path off by up to 10% at 16M. So the interpreter gets a
 # correctly rounded float32 fma of its own (`_fma_rounded_once`); the GPU keeps tl.fma. The
 # sin/cos polynomials and the rotation use tl.fma directly: a second rounding there moves a
 # result by at most about an ulp (in the interpreter only), and the emulation costs the
