@@ -6,7 +6,6 @@ summaries and plots from the stored rows.
 
 import functools
 import itertools
-import json
 import os
 import re
 from typing import Callable, NamedTuple
@@ -700,15 +699,13 @@ def run_benchmarks(argv=None):
     # Points measured now replace the same points of an earlier (partial) run.
     fresh = {report.row_key(r) for r in results}
     merged = [r for r in previous if report.row_key(r) not in fresh] + results
-    with open(results_path, "w") as f:
-        json.dump(merged, f, indent=1)
+    report.write_json(results_path, merged)
     extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}
     # Restamp notes stay: rows of earlier runs that this one did not replace keep their stamps.
     restamped = report.load_json(run_path, {}).get("restamped", [])
-    with open(run_path, "w") as f:
-        json.dump({"environment": env, "extras": extras, "kernel": stamp["kernel"],
-                   "device_code": stamp["device_code"]} | ({"restamped": restamped} if restamped else {}),
-                  f, indent=1)
+    report.write_json(run_path, {"environment": env, "extras": extras, "kernel": stamp["kernel"],
+                                 "device_code": stamp["device_code"]}
+                      | ({"restamped": restamped} if restamped else {}))
     report.regenerate([gpu])
     print(open(os.path.join(out_dir, "SUMMARY.md")).read())
     print(f"{_BENCH_CALLS[0]} timings (do_bench calls), {time.perf_counter() - started:.0f} s in all", flush=True)

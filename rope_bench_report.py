@@ -284,12 +284,12 @@ def restamp(gpu_dirs, old_kernel_hash, new_stamp, note):
         done[gpu_dir] = len(matching)
         if not matching:
             continue
-        _write_json(results_path, results)
+        write_json(results_path, results)
         run = load_json(run_path, {})
         run.setdefault("restamped", []).append(dict(
             kernel=old_kernel_hash, device_code=new_stamp, rows=len(matching), note=note,
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
-        _write_json(run_path, run)
+        write_json(run_path, run)
     return done
 
 
@@ -302,7 +302,7 @@ def load_json(path, default):
         return json.load(f)
 
 
-def _write_json(path, value):
+def write_json(path, value):
     with open(path, "w") as f:
         json.dump(value, f, indent=1)
 
@@ -428,15 +428,10 @@ def kernels_overview(table):
 def sweeps_overview(results):
     """PathStats of our table path ("triton") over every parameter-sweep point, dtype and mode,
     against TE where TE was measured (the sweeps have no peers); None without such rows."""
-    by_key = {row_key(r): r for r in results if r["sweep"] != "models"}
-    fractions, te = [], []
-    for key, r in by_key.items():
-        if key[4] != "triton" or (copy := by_key.get(key[:4] + ("copy",))) is None:
-            continue
-        fractions.append(copy["ms"] / r["ms"])
-        if (te_row := by_key.get(key[:4] + ("te",))) is not None:
-            te.append(te_row["ms"] / r["ms"])
-    return _path_stats(fractions, [], te)
+    measured = [(frac, speed) for _, frac, speed in _sweep_rows({row_key(r): r for r in results})
+                if not math.isnan(frac)]
+    return _path_stats([frac for frac, _ in measured], [],
+                       [speed for _, speed in measured if not math.isnan(speed)])
 
 
 HEADLINE_CAPTION = (
