@@ -91,7 +91,7 @@ from rope_test_support import (
     unfused_reference,
 )
 from te_comparator import load_te_rope
-from triton_rotary_kernel import _program_tokens, _tile_sequences
+from triton_rotary_kernel import Tokens, Variant, _program_tokens, _tile_sequences
 from triton_rotary_launch import set_rotary_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding,
@@ -2123,14 +2123,15 @@ def test_torch_compile_fullgraph_module_and_positions():
 
 
 @triton.jit
-def _tile_sequences_probe(CU_SEQLENS, SEQ, SEQ_START, SEQ_END, num_tokens, num_seqs, cp_size,
-                          BLOCK_T: tl.constexpr, SEARCH_LEVELS: tl.constexpr):
-    """The thd sequence search of rotary_kernel for tiles of BLOCK_T tokens (its tokens as the
-    kernel picks them), its results stored per token."""
-    tok, ok, _, _ = _program_tokens(tl.program_id(0), num_tokens, 0, 1, BLOCK_T, True, True)
-    seq, seq_start, seq_end = _tile_sequences(CU_SEQLENS, tl.program_id(0) * BLOCK_T,
+def _tile_sequences_probe(cu_seqlens, SEQ, SEQ_START, SEQ_END, num_tokens, num_seqs, cp_size,
+                          cfg: tl.constexpr):
+    """The thd sequence search of rotary_kernel for tiles of cfg.BLOCK_T tokens (its tokens as
+    the kernel picks them), its results stored per token."""
+    tokens = Tokens(num_tokens, num_tokens, num_seqs, cp_size, 0)
+    tok, ok, _, _ = _program_tokens(tl.program_id(0), tokens, cfg)
+    seq, seq_start, seq_end = _tile_sequences(cu_seqlens, tl.program_id(0) * cfg.BLOCK_T,
                                               (tok.to(tl.int64) + 1) * cp_size, num_seqs, cp_size,
-                                              SEARCH_LEVELS)
+                                              cfg.SEARCH_LEVELS)
     tl.store(SEQ + tok, seq, mask=ok)
     tl.store(SEQ_START + tok, seq_start, mask=ok)
     tl.store(SEQ_END + tok, seq_end, mask=ok)
@@ -2165,9 +2166,12 @@ def test_tile_sequence_search_matches_searchsorted(case, index_dtype):
     num_tokens = cu[-1] // cp_size + past_end
     seq, seq_start, seq_end = (torch.full((num_tokens,), -1, dtype=index_dtype, device=DEVICE)
                                for _ in range(3))
+    cfg = Variant(BLOCK_T=block_t, BLOCK_H=1, BLOCK_HALF=1, BLOCK_PASS=0, INTERLEAVED=False,
+                  BACKWARD=False, SEQ_MAJOR=True, HAS_START=False, WIDE_INNER=False,
+                  ANGLES_FROM_POSITIONS=False, POSITIONS_FROM=0, FLAT_GRID=False, IS_THD=True,
+                  SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs))
     _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
-        cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, BLOCK_T=block_t,
-        SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs))
+        cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, cfg)
     local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
     tokens = torch.arange(num_tokens)
     expected = (torch.searchsorted(local_cu, tokens, right=True) - 1).clamp(min=0)
@@ -2245,7 +2249,7 @@ def test_launches_after_the_first_use_the_compiled_kernels_launcher():
     freqs = RotaryPositionEmbedding(32, device=DEVICE)(9)
     first = set_rotary_kernel(t, freqs)
     runners = [r for p in triton_rotary_launch._PLANS.values() if p.launch is not None
-               and p.launch.fn is triton_rotary_kernel.rotary_kernel for r in p.launch.runners.values()]
+               and p.launch.kernel is triton_rotary_kernel.rotary_kernel for r in p.launch.runners.values()]
     assert runners, "no plan holds a launcher: every launch went through Triton's JIT"
     assert all(r.direct for r in runners), "the direct launch did not engage"
     assert torch.equal(set_rotary_kernel(t, freqs), first)

@@ -1,11 +1,12 @@
 """Compiles rotary_kernel for sm_90 and reports, per tile, what the tests read in the generated
-code: `python rope_sass_probe.py TILE [TILE ...]`, each TILE a JSON object of constexprs over
+code: `python rope_sass_probe.py TILE [TILE ...]`, each TILE a JSON object of Variant fields over
 DEFAULT_TILE. No GPU is needed (Triton's own ptxas and nvdisasm). Run it in a process without
 TRITON_INTERPRET, so that the kernel is a JIT function.
 
 Per tile it prints one JSON line: the number of sin.approx in the PTX (PTX is one thread's code,
 so that is the sin/cos each thread computes) and the global loads in the order of the SASS.
-Sizes and strides are those of contiguous tensors, as Triton specializes a contiguous call.
+The arguments are those of a contiguous bf16 call (`example_arguments`), specialized as Triton
+specializes them (`signature`).
 """
 import json
 import os
@@ -21,27 +22,73 @@ from triton.compiler import ASTSource
 import triton_rotary_kernel as K
 
 DEFAULT_TILE = dict(BLOCK_T=1, BLOCK_H=1, BLOCK_HALF=64, BLOCK_PASS=0, INTERLEAVED=False,
-                    BACKWARD=False, IS_THD=False, SEQ_MAJOR=True, HAS_START=False,
-                    WIDE_INNER=False, ANGLES_FROM_POSITIONS=True, POSITIONS_FROM=0,
-                    SEARCH_LEVELS=0, FLAT_GRID=False)
-POINTERS = {"OUT": "*bf16", "X": "*bf16", "FREQS": "*fp32", "PAIR_AXIS": "*i32",
-            "POSITIONS": "*i64", "START_POSITIONS": "*i32", "CU_SEQLENS": "*i32"}
+                    BACKWARD=False, SEQ_MAJOR=True, HAS_START=False, WIDE_INNER=False,
+                    ANGLES_FROM_POSITIONS=True, POSITIONS_FROM=0, FLAT_GRID=False, IS_THD=False,
+                    SEARCH_LEVELS=0)
+UNSPECIALIZED = ("num_tokens", "seq_len", "batch", "cp_size", "cp_rank")
+
+
+def example_arguments(cfg):
+    """rotary_kernel's arguments for a contiguous bf16 call of 12 heads of 128 channels (sbhd,
+    batch 2; thd), pointers as their Triton types; a tensor the call leaves out is None."""
+    heads, dim = 12, 128
+    strides = (heads * dim if cfg.IS_THD else 2 * heads * dim, 0 if cfg.IS_THD else heads * dim, dim, 1)
+    axis = cfg.POSITIONS_FROM == K.AXIS_POSITIONS_TENSOR.value
+    angles = K.Angles("*fp32", (0, 0) if cfg.ANGLES_FROM_POSITIONS else (dim, 1),
+                      0 if cfg.ANGLES_FROM_POSITIONS else 4096, "*i32" if axis else None,
+                      3 if axis else 1, 1.0)
+    implicit = cfg.POSITIONS_FROM == K.IMPLICIT_POSITIONS.value
+    position_strides = (0, 0, 0) if implicit else (2048, 1, 0) if axis else (0, 1, 0)
+    positions = K.Positions(None if implicit else "*i64", position_strides,
+                            "*i32" if cfg.HAS_START else None, "*i32" if cfg.IS_THD else None)
+    return (K.View("*bf16", strides), K.View("*bf16", strides), angles, positions,
+            K.HeadShape(heads, dim, dim), 4096, 2048, 2, 1, 0, cfg)
+
+
+def signature(fn, args, unspecialized=UNSPECIALIZED):
+    """ASTSource's (signature, constexprs, attrs) for `args`, specialized as Triton's JIT
+    specializes a call: None and a last parameter annotated constexpr as constants, an integer
+    1 as a constant, a pointer (its type string) and an integer divisible by 16 with that
+    divisibility; `unspecialized` names are plain int32."""
+    constexprs, attrs = {}, {}
+
+    def walk(value, path):
+        if value is None:
+            constexprs[path] = None
+            return "constexpr"
+        if isinstance(value, str):
+            attrs[path] = [["tt.divisibility", 16]]
+            return value
+        if isinstance(value, float):
+            return "fp32"
+        if isinstance(value, bool) or not isinstance(value, (int, tuple)):
+            raise TypeError(f"no example type for {value!r}")
+        if isinstance(value, int):
+            if value == 1:
+                constexprs[path] = 1
+                return "constexpr"
+            if value % 16 == 0:
+                attrs[path] = [["tt.divisibility", 16]]
+            return "i32"
+        parts = [walk(v, (*path, i)) for i, v in enumerate(value)]
+        return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
+
+    sig = {}
+    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+        if name == fn.arg_names[-1]:
+            sig[name], constexprs[name] = "constexpr", value
+        elif name in unspecialized:
+            sig[name] = "i32"
+        else:
+            sig[name] = walk(value, (i,))
+    return sig, constexprs, attrs
 
 
 def compile_tile(tile):
     """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order}."""
-    names = K.rotary_kernel.arg_names
-    # As Triton specializes a contiguous call: aligned pointers, unit channel strides, the other
-    # strides and the head and rotary dims multiples of 16.
-    unit_strides = {n: 1 for n in names if n.startswith("stride") and n.endswith("_dim")}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n in POINTERS or n in ("rotary_dim", "head_dim")
-               or (n.startswith("stride") and n not in unit_strides)}
-    constexprs = {**DEFAULT_TILE, **unit_strides, **tile}
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "angle_scale" else "i32")
-                 for n in names}
-    kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=signature, constexprs=constexprs,
-                                      attrs=aligned),
+    args = example_arguments(K.Variant(**{**DEFAULT_TILE, **tile}))
+    sig, constexprs, attrs = signature(K.rotary_kernel, args)
+    kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:

@@ -18,26 +18,367 @@ For frequencies built as TE's `RotaryPositionEmbedding` builds them (f1 == f2) t
 familiar "rotate by -theta"; for arbitrary frequencies it is still the true gradient, which
 is what Transformer Engine's CUDA kernel computes too.
 
-The angles come from one of two sources (`ANGLES_FROM_POSITIONS`):
+The angles come from one of two sources (`Variant.ANGLES_FROM_POSITIONS`):
 - a table, TE's interface: f = freqs[position, channel], float32 angles;
 - integer positions and inverse frequencies: f = position * inv_freq[pair], the exact real
   product (never rounded to float32), optionally scaled (YaRN's attention factor) and, for
-  M-RoPE, with each pair taking its position from its own axis (`PAIR_AXIS`).
+  M-RoPE, with each pair taking its position from its own axis (`Angles.pair_axis`).
 Positions are implicit (TE: the token's index in its sequence, with start_positions, thd and
 context parallelism) or read from a `positions` tensor.
 
 Channels `rotary_dim..head_dim` are copied through. Arithmetic is float32 (float64 for
 float64 inputs, so that `gradcheck` can run through the kernel).
+
+Reading order: the argument groups (View, Angles, Positions, the shapes, Variant), the two
+kernels, `_rope_tile` (one tile: loads, angles, rotation, stores), the tokens' positions
+(`_positions`, the thd search of cu_seqlens), the angles (`_tile_angles`, from a table or
+from positions), and last the arithmetic: fma, sin and cos.
 """
 
 import os
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
-# Quiet NaN as float32 bits (a NaN constant cannot be a global: NaN != NaN trips Triton's
-# check that globals did not change since compilation).
-_NAN_BITS = tl.constexpr(0x7FC00000)
+# TRITON_INTERPRET must be set before this module is imported (Triton itself reads it at
+# import too).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Where the positions of the tokens come from (Variant.POSITIONS_FROM).
+IMPLICIT_POSITIONS = tl.constexpr(0)     # index in the sequence: start_positions, thd, CP
+POSITIONS_TENSOR = tl.constexpr(1)       # one position per token, from `positions`
+AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis chosen per pair
+
+
+
+# The kernels' arguments, grouped. Triton passes tuples (NamedTuples too) into a kernel and
+# specializes every element as it does a plain parameter: a pointer on its 16-byte alignment,
+# an integer on == 1 and on divisibility by 16 (a stride of 1 becomes a constant, which makes
+# channel access contiguous). `do_not_specialize` reaches only plain parameters, so the sizes
+# that change with every input (token counts, batch, context-parallel rank) stay plain
+# parameters: a new length then never compiles a new kernel.
+
+
+class View(NamedTuple):
+    """A tensor as the kernels address it: data pointer and element strides, (seq, batch,
+    head, channel); the query heads of packed QKV have (seq, batch, kv group, head in group,
+    channel)."""
+    ptr: object
+    strides: tuple
+
+
+class InOut(NamedTuple):
+    """What a fused-QKV tile reads and where it writes: the packed tensor's part and the
+    separate tensor (forward), or the other way round (backward)."""
+    src: View
+    dst: View
+
+
+class Angles(NamedTuple):
+    """Where the angles come from (which of the two: Variant.ANGLES_FROM_POSITIONS)."""
+    freqs: object      # the table [rows, 1, 1, d2] (float32), or inv_freq [d2/2] (float32)
+    strides: tuple     # the table's (row, channel) element strides; (0, 0) for inv_freq
+    rows: int          # the table's positions (0 for inv_freq); outside them a rotation is NaN
+    pair_axis: object  # M-RoPE: int32 [d2/2], the position axis of each pair; else None
+    n_axes: int        # position axes: 1, or M-RoPE's sections
+    scale: float       # multiplies cos and sin (YaRN's attention factor)
+
+
+class Positions(NamedTuple):
+    """Where the tokens' positions come from (which: Variant.POSITIONS_FROM)."""
+    positions: object        # int [s], [b, s] or [t] (M-RoPE: [n_axes, ...]), or None
+    strides: tuple           # positions' (axis, seq, batch) element strides
+    start_positions: object  # int [b] or None
+    cu_seqlens: object       # int [b + 1] (thd) or None
+
+
+class HeadShape(NamedTuple):
+    nheads: int
+    head_dim: int      # d
+    rotary_dim: int    # d2: channels 0..d2 are rotated, d2..d copied
+
+
+class QKVShape(NamedTuple):
+    kv_heads: int
+    q_per_kv: int      # query heads per kv head
+    head_dim: int      # d, of q and k
+    rotary_dim: int
+    v_dim: int
+    q_programs: int    # head programs of a token block that rotate query heads
+
+
+class Tokens(NamedTuple):
+    """The token layout, built in the kernel from its unspecialized parameters."""
+    num_tokens: int    # rows of [h, d]
+    seq_len: int       # s (sbhd/bshd); t (thd)
+    batch: int         # b (sbhd/bshd); sequences in cu_seqlens (thd)
+    cp_size: int       # context parallelism (TE's load-balanced split)
+    cp_rank: int
+
+
+class Variant(NamedTuple):
+    """The compile-time choices of a kernel (one `tl.constexpr` argument): each field
+    changes the generated code."""
+    BLOCK_T: int                # tokens per program
+    BLOCK_H: int                # heads per program (fused QKV: query heads)
+    BLOCK_HALF: int             # power of two >= rotary_dim // 2
+    BLOCK_PASS: int             # power of two >= head_dim - rotary_dim; 0: leave them (in place)
+    INTERLEAVED: bool           # pairs are (2k, 2k + 1), else (k, k + d2/2)
+    BACKWARD: bool              # rotate by the transpose (the gradient)
+    SEQ_MAJOR: bool             # token index is seq-major (sbhd) or batch-major (bshd)
+    HAS_START: bool             # start_positions moves each sequence
+    WIDE_INNER: bool            # offsets inside one token may exceed int32 (exotic strides)
+    ANGLES_FROM_POSITIONS: bool  # angles = position * inv_freq, else read from the table
+    POSITIONS_FROM: int         # IMPLICIT_POSITIONS, POSITIONS_TENSOR, AXIS_POSITIONS_TENSOR
+    FLAT_GRID: bool             # head and token blocks share grid axis 0 (launcher: _program_grid)
+    IS_THD: bool = False        # tokens [t, h, d]; sequences from cu_seqlens or positions
+    SEARCH_LEVELS: int = 0      # thd: steps of the search over cu_seqlens (launcher: _search_levels)
+    BLOCK_KV: int = 0           # fused QKV: key (and value) heads per program
+    BLOCK_V: int = 0            # fused QKV: power of two >= v_dim
+
+
+@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
+def rotary_kernel(x, out, angles, positions, shape, num_tokens, seq_len, batch, cp_size, cp_rank,
+                  cfg: tl.constexpr):
+    """RoPE of x (View) into out (View; out == x in place), angles from `angles` (Angles) at
+    the positions `positions` (Positions) gives, `shape` a HeadShape, `cfg` a Variant. A
+    program rotates a tile of BLOCK_T tokens x BLOCK_H heads."""
+    tok_block, head_block = _program_block(tl.cdiv(shape.nheads, cfg.BLOCK_H), cfg.FLAT_GRID)
+    heads = head_block * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
+    tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
+    _rope_tile(tok_block, x, out, heads, 1, shape, tokens, angles, positions, cfg)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
+def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, num_tokens, seq_len, batch,
+                      cp_size, cp_rank, cfg: tl.constexpr):
+    """Fused QKV: one launch for q, k and v (each an InOut), `shape` a QKVShape. The head
+    programs of a token block first cover the query heads (kv_heads * q_per_kv, rotated with
+    q_angles), then the key heads (k_angles), each with its value heads copied through."""
+    tok_block, pid_h = _program_block(shape.q_programs + tl.cdiv(shape.kv_heads, cfg.BLOCK_KV),
+                                      cfg.FLAT_GRID)
+    tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
+    if pid_h < shape.q_programs:
+        q_heads = pid_h * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
+        q_shape = HeadShape(shape.kv_heads * shape.q_per_kv, shape.head_dim, shape.rotary_dim)
+        _rope_tile(tok_block, q.src, q.dst, q_heads, shape.q_per_kv, q_shape, tokens, q_angles,
+                   positions, cfg)
+    else:
+        # Key heads, with the value heads of the same kv heads copied alongside: a key tile
+        # alone would be a small program (a quarter of a query tile under 4:1 GQA). The values
+        # are loaded first and stored last, so that their loads overlap the key tile's.
+        k_heads = (pid_h - shape.q_programs) * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
+        tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
+        v_heads = k_heads
+        dims = tl.arange(0, cfg.BLOCK_V)
+        if cfg.WIDE_INNER:
+            v_heads = v_heads.to(tl.int64)
+            dims = dims.to(tl.int64)
+        mask_v = (tok_ok[:, None, None] & (v_heads < shape.kv_heads)[None, :, None]
+                  & (dims < shape.v_dim)[None, None, :])
+        v_src = _tile_base(v.src, seq_idx, batch_idx, v_heads * v.src.strides[2])
+        values = tl.load(v_src + (dims * v.src.strides[3])[None, None, :], mask=mask_v)
+        k_shape = HeadShape(shape.kv_heads, shape.head_dim, shape.rotary_dim)
+        _rope_tile(tok_block, k.src, k.dst, k_heads, 1, k_shape, tokens, k_angles, positions,
+                   cfg)
+        v_dst = _tile_base(v.dst, seq_idx, batch_idx, v_heads * v.dst.strides[2])
+        tl.store(v_dst + (dims * v.dst.strides[3])[None, None, :], values, mask=mask_v)
+
+
+@triton.jit
+def _program_block(head_programs, FLAT_GRID: tl.constexpr):
+    """(token block, head program) of this program, `head_programs` per token block: one
+    grid axis each, or both on axis 0 with a token block's head programs adjacent
+    (`_program_grid`)."""
+    if FLAT_GRID:
+        tok_block = tl.program_id(0) // head_programs
+        head_program = tl.program_id(0) - tok_block * head_programs
+    else:
+        tok_block = tl.program_id(0)
+        head_program = tl.program_id(1)
+    return tok_block, head_program
+
+
+@triton.jit
+def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles, positions,
+               cfg: tl.constexpr):
+    """Rotate one tile: the program's BLOCK_T tokens times the given heads.
+
+    All loads of the tile are issued first, and positions and cos/sin are worked out while
+    they are in flight: RoPE is a copy with a little arithmetic, so its speed is how well
+    the load latency is hidden. Head j of a view with 4 strides sits at j * stride_head;
+    with 5 (the query heads of packed QKV) at (j // heads_per_group) * stride_group +
+    (j % heads_per_group) * stride_head.
+    """
+    tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
+    mask_th = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]      # [T, H, 1]
+    if cfg.WIDE_INNER:
+        heads = heads.to(tl.int64)
+    x_base = _tile_base(x, seq_idx, batch_idx, _head_offsets(x, heads, heads_per_group))
+    out_base = _tile_base(out, seq_idx, batch_idx, _head_offsets(out, heads, heads_per_group))
+    x_dim, out_dim = x.strides[-1], out.strides[-1]
+    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
+    BLOCK_T: tl.constexpr = cfg.BLOCK_T
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    BLOCK_H: tl.constexpr = heads.shape[0]
+
+    # Loads. Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
+    # registers rather than gathered with stride 2.
+    rotary_dim = shape.rotary_dim
+    half = rotary_dim // 2
+    offs_k = tl.arange(0, BLOCK_HALF)
+    offs_d = tl.arange(0, 2 * BLOCK_HALF)
+    if cfg.WIDE_INNER:
+        offs_k = offs_k.to(tl.int64)
+        offs_d = offs_d.to(tl.int64)
+    if cfg.INTERLEAVED:
+        mask = mask_th & (offs_d < rotary_dim)[None, None, :]
+        xs = tl.load(x_base + offs_d[None, None, :] * x_dim, mask=mask, other=0.0)
+        x1, x2 = tl.split(tl.reshape(xs.to(compute_dtype), [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
+    else:
+        mask = mask_th & (offs_k < half)[None, None, :]
+        x1_ptrs = x_base + offs_k[None, None, :] * x_dim
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(compute_dtype)
+        x2 = tl.load(x1_ptrs + half * x_dim, mask=mask, other=0.0).to(compute_dtype)
+    if cfg.BLOCK_PASS > 0:
+        # Channels rotary_dim..head_dim are copied through.
+        offs_p = rotary_dim + tl.arange(0, cfg.BLOCK_PASS)
+        if cfg.WIDE_INNER:
+            offs_p = offs_p.to(tl.int64)
+        mask_p = mask_th & (offs_p < shape.head_dim)[None, None, :]
+        x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p)
+
+    if cfg.IS_THD and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS:
+        # ptxas issues the loads of the search for the tokens' sequences (a chain of
+        # dependent loads) first and the tile's loads only after the whole chain. The
+        # barrier keeps the tile's loads ahead (it waits for no load's data). Only here: ahead
+        # of positions or a table, it slows the tile (docs/design.md).
+        tl.debug_barrier()
+    # Positions and cos/sin depend on the token (and pair) only: worked out once for the
+    # tile's tokens and shared by its heads.
+    in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
+        angles, positions, tok, tok_block * BLOCK_T, seq_idx, batch_idx, tokens, rotary_dim,
+        compute_dtype, BLOCK_H > 1, cfg)
+    cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
+    # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b: the forward, or its transpose.
+    if cfg.BACKWARD:
+        sin_a, sin_b = -sin2[:, None, :], -sin1[:, None, :]
+    else:
+        sin_a, sin_b = sin1[:, None, :], sin2[:, None, :]
+    # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
+    # with the tile shape, and so would the last bit of a token's result with the batch size.
+    out1 = tl.fma(x1, cos1, -(x2 * sin_a))
+    out2 = tl.fma(x2, cos2, x1 * sin_b)
+    if cfg.IS_THD:
+        # Tokens outside every sequence pass through unchanged.
+        out1 = tl.where(in_seq[:, None, None], out1, x1)
+        out2 = tl.where(in_seq[:, None, None], out2, x2)
+
+    out_ty = out.ptr.dtype.element_ty
+    if cfg.INTERLEAVED:
+        result = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(out_base + offs_d[None, None, :] * out_dim, result.to(out_ty), mask=mask)
+    else:
+        out1_ptrs = out_base + offs_k[None, None, :] * out_dim
+        tl.store(out1_ptrs, out1.to(out_ty), mask=mask)
+        tl.store(out1_ptrs + half * out_dim, out2.to(out_ty), mask=mask)
+    if cfg.BLOCK_PASS > 0:
+        tl.store(out_base + offs_p[None, None, :] * out_dim, x_pass, mask=mask_p)
+
+
+@triton.jit
+def _head_offsets(view, heads, heads_per_group):
+    """Element offsets [H] of the heads inside a token."""
+    if len(view.strides) == 5:
+        return heads // heads_per_group * view.strides[2] + heads % heads_per_group * view.strides[3]
+    return heads * view.strides[2]
+
+
+@triton.jit
+def _program_tokens(tok_block, tokens, cfg: tl.constexpr):
+    """The BLOCK_T token indices of token block `tok_block` (clamped into range), which of
+    them are real, and their (sequence, batch) indices."""
+    tok = tok_block * cfg.BLOCK_T + tl.arange(0, cfg.BLOCK_T)
+    tok_ok = tok < tokens.num_tokens
+    tok = tl.minimum(tok, tokens.num_tokens - 1)
+    seq_idx, batch_idx = _token_coords(tok, tokens, cfg)
+    return tok, tok_ok, seq_idx, batch_idx
+
+
+@triton.jit
+def _tile_base(view, seq_idx, batch_idx, head_offset):
+    """Pointers [T, H, 1] to channel 0 of each (token, head) of a tile; head_offset [H] holds
+    the heads' element offsets inside a token."""
+    row = seq_idx.to(tl.int64) * view.strides[0] + batch_idx.to(tl.int64) * view.strides[1]
+    return view.ptr + row[:, None, None] + head_offset[None, :, None]
+
+
+@triton.jit
+def _token_coords(tok, tokens, cfg: tl.constexpr):
+    """(sequence, batch) index of each token; thd rows are addressed by the token alone."""
+    if cfg.IS_THD:
+        return tok, tok * 0
+    if cfg.SEQ_MAJOR:
+        return tok // tokens.batch, tok % tokens.batch
+    return tok % tokens.seq_len, tok // tokens.seq_len
+
+
+@triton.jit
+def _positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, cfg: tl.constexpr):
+    """(in_seq, pos): whether each token lies inside a thd sequence (always, otherwise) and
+    its position (int64). With axis positions (M-RoPE), `pos` is instead the token's element
+    offset in positions, the axis still to be added per pair."""
+    in_seq = tok >= 0
+    if cfg.POSITIONS_FROM != IMPLICIT_POSITIONS:
+        offset = (seq_idx.to(tl.int64) * positions.strides[1]
+                  + batch_idx.to(tl.int64) * positions.strides[2])
+        if cfg.POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
+            pos = offset
+        else:
+            pos = tl.load(positions.positions + offset).to(tl.int64)
+    else:
+        in_seq, pos = _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens,
+                                          cfg)
+    return in_seq, pos
+
+
+@triton.jit
+def _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, cfg: tl.constexpr):
+    """(in_seq, pos) by TE's rules: the token's index in its sequence (int64), moved by context
+    parallelism and start_positions; in_seq says whether a thd token lies in a sequence."""
+    in_seq = tok >= 0
+    num_seqs, cp_size, cp_rank = tokens.batch, tokens.cp_size, tokens.cp_rank
+    # int64 from here on: with a long (e.g. expanded) freqs table, start positions and the
+    # context-parallel offsets can pass 2^31.
+    seq_idx = seq_idx.to(tl.int64)
+    local_len = tokens.seq_len.to(tl.int64)
+    if cfg.IS_THD:
+        # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
+        # each sequence. The token's sequence is the last i with cu[i] // cp_size <= tok, i.e.
+        # cu[i] < (tok + 1) * cp_size (no integer division).
+        next_start = (tok.to(tl.int64) + 1) * cp_size
+        batch_idx, seq_start, seq_end = _tile_sequences(positions.cu_seqlens, first_tok,
+                                                        next_start, num_seqs, cp_size,
+                                                        cfg.SEARCH_LEVELS)
+        seq_start = (seq_start // cp_size).to(tl.int64)
+        seq_end = (seq_end // cp_size).to(tl.int64)
+        # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
+        in_seq = (tok >= seq_start) & (tok < seq_end)
+        seq_idx = tok - seq_start
+        local_len = seq_end - seq_start
+    # Context parallelism (TE's load-balanced split): the global sequence is cut into
+    # 2*cp_size chunks and rank r holds chunks r and 2*cp_size-1-r, so the second half of the
+    # local tokens jumps ahead.
+    pos = seq_idx
+    if cp_size > 1:
+        half_len = local_len // 2
+        pos = tl.where(seq_idx < half_len, seq_idx + cp_rank * half_len,
+                       seq_idx + cp_size * local_len - (cp_rank + 2) * half_len)
+    if cfg.HAS_START:
+        start = tl.load(positions.start_positions + tl.minimum(batch_idx, num_seqs - 1))
+        pos = pos + start.to(tl.int64)
+    return in_seq, pos
 
 # thd, the search of cu_seqlens for the tokens' sequences (`_tile_sequences`): the ways one
 # step of a single token's search splits its range into; the same for the search of a tile's
@@ -48,10 +389,214 @@ SEARCH_FAN = tl.constexpr(4)
 TILE_FAN = tl.constexpr(16)
 TILE_SCAN = tl.constexpr(8)
 
-# Where the positions of the tokens come from (constexpr POSITIONS_FROM).
-IMPLICIT_POSITIONS = tl.constexpr(0)     # index in the sequence: start_positions, thd, CP
-POSITIONS_TENSOR = tl.constexpr(1)       # one position per token, from `positions`
-AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis chosen per pair
+
+@triton.jit
+def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, cp_size,
+                    SEARCH_LEVELS: tl.constexpr):
+    """(sequence index, cu[index], cu[index + 1]) of each of a tile's consecutive tokens: the
+    last i in [0, num_seqs] with cu[i] < next_start (0 when there is none).
+
+    The tile's first token is searched once for the whole program (uniform loads, one
+    vector of cu_seqlens per step); the others lie in the TILE_SCAN - 1 sequences after it,
+    read as one vector, unless the tile crosses TILE_SCAN - 2 sequence ends or more (many
+    empty or very short sequences): then each token is searched on its own
+    (`_token_sequences`). cu_seqlens is non-decreasing; were it not, every index is still
+    in [0, num_seqs] (a wrong but in-bounds sequence), never a read outside it. Its entries
+    are loaded evict_last: every program reads them, between streaming loads of the tile
+    that would push them out."""
+    first = _first_sequence(cu_seqlens, (first_tok + 1).to(tl.int64) * cp_size, num_seqs,
+                            SEARCH_LEVELS)
+    j = tl.arange(0, TILE_SCAN)
+    # cu[first + j], clamped to cu[num_seqs] past the end: entry j + 1 is then the end of
+    # sequence first + j, as for the last sequence.
+    entry = tl.load(cu_seqlens + tl.minimum(first + j, num_seqs), eviction_policy="evict_last")
+    counted = (j > 0) & (first + j <= num_seqs)
+    ahead = tl.sum((counted[None, :] & (entry[None, :] < next_start[:, None])).to(tl.int32),
+                   axis=1)
+    if tl.max(ahead, axis=0) < TILE_SCAN - 1:
+        seq = first + ahead
+        # entries ahead and ahead + 1 of the vector, picked in registers
+        seq_start = tl.sum(tl.where(j[None, :] == ahead[:, None], entry[None, :], 0), axis=1)
+        seq_end = tl.sum(tl.where(j[None, :] == ahead[:, None] + 1, entry[None, :], 0), axis=1)
+    else:
+        seq = _token_sequences(cu_seqlens, next_start, num_seqs, SEARCH_LEVELS)
+        seq_start = tl.load(cu_seqlens + seq, eviction_policy="evict_last")
+        seq_end = tl.load(cu_seqlens + tl.minimum(seq + 1, num_seqs),
+                          eviction_policy="evict_last")
+    return seq, seq_start, seq_end
+
+
+@triton.jit
+def _first_sequence(cu_seqlens, next_start, num_seqs, SEARCH_LEVELS: tl.constexpr):
+    """The last i in [0, num_seqs] with cu[i] < next_start (0 if none) for one token, by the
+    whole program: each step compares one vector of TILE_FAN - 1 entries, spaced `step`
+    apart (a TILE_FAN-way split), so ceil(SEARCH_LEVELS / 2) steps cover what the per-token
+    search covers in SEARCH_LEVELS."""
+    j = tl.arange(0, TILE_FAN)
+    lo = num_seqs * 0
+    step = 1
+    for _ in tl.static_range((SEARCH_LEVELS + 1) // 2 - 1):
+        step *= TILE_FAN
+    for _ in tl.static_range((SEARCH_LEVELS + 1) // 2):
+        cand = lo + j * step
+        counted = (j > 0) & (cand <= num_seqs)
+        entry = tl.load(cu_seqlens + cand, mask=counted, other=0, eviction_policy="evict_last")
+        lo += tl.sum((counted & (entry < next_start)).to(tl.int32), axis=0) * step
+        step //= TILE_FAN
+    return lo
+
+
+@triton.jit
+def _token_sequences(cu_seqlens, next_start, num_seqs, SEARCH_LEVELS: tl.constexpr):
+    """The last i in [0, num_seqs] with cu[i] < next_start (0 if none), for each token on
+    its own: SEARCH_FAN-way, each step loads SEARCH_FAN - 1 entries at once (independent
+    cached loads) and moves past those below, so the chain of dependent loads is
+    SEARCH_LEVELS long instead of log2(num_seqs)."""
+    lo = (next_start * 0).to(tl.int32)
+    step = 1
+    for _ in tl.static_range(SEARCH_LEVELS - 1):
+        step *= SEARCH_FAN
+    for _ in tl.static_range(SEARCH_LEVELS):
+        below = lo * 0
+        for j in tl.static_range(1, SEARCH_FAN):
+            cand = lo + j * step
+            valid = cand <= num_seqs
+            entry = tl.load(cu_seqlens + cand, mask=valid, other=0, eviction_policy="evict_last")
+            below += (valid & (entry < next_start)).to(tl.int32)
+        lo += below * step
+        step //= SEARCH_FAN
+    return lo
+
+
+@triton.jit
+def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, rotary_dim,
+                 compute_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
+    """(in_seq, cos1, cos2, sin1, sin2) of the tile's tokens: whether each lies inside a
+    sequence (`_positions`), and [T, K] cos and sin of the angles of both members of each pair.
+
+    SHARED (a tile of several heads): these are worked out once per token (and pair) across
+    the program's threads, then handed to the threads that hold each head. Left alone,
+    Triton recomputes values in the layout of the tile that consumes them (it
+    rematerializes producers that look cheap rather than move values between threads), so
+    that every thread would run the thd search and sin/cos for all pairs of its own
+    channels, once per head row it shares with other threads: several times the arithmetic
+    of the loads and stores it has to hide behind. Triton never rematerializes the results of
+    a `while` loop: worked out inside one-trip loops, positions and angles keep layouts of
+    their own (one token per thread for the search, one (token, pair) for sin/cos) and reach
+    the tile's through shared memory."""
+    # Shapes are lists of constexprs: a Variant's fields are plain ints until bound so.
+    BLOCK_T: tl.constexpr = cfg.BLOCK_T
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    if SHARED:
+        in_seq = tok >= 0
+        pos = tok.to(tl.int64)
+        trips = 0
+        while trips < 1:
+            in_seq, pos = _positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, cfg)
+            trips += 1
+        cos1 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+        sin1 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+        if cfg.ANGLES_FROM_POSITIONS:
+            trips = 0
+            while trips < 1:
+                cos1, sin1 = _rotation_from_positions(angles, positions, pos, rotary_dim,
+                                                      compute_dtype, cfg)
+                trips += 1
+            cos2, sin2 = cos1, sin1
+        else:
+            cos2 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+            sin2 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
+            trips = 0
+            while trips < 1:
+                cos1, cos2, sin1, sin2 = _rotation_from_table(angles, pos, rotary_dim,
+                                                              compute_dtype, cfg)
+                trips += 1
+    else:
+        in_seq, pos = _positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, cfg)
+        if cfg.ANGLES_FROM_POSITIONS:
+            cos1, sin1 = _rotation_from_positions(angles, positions, pos, rotary_dim,
+                                                  compute_dtype, cfg)
+            cos2, sin2 = cos1, sin1
+        else:
+            cos1, cos2, sin1, sin2 = _rotation_from_table(angles, pos, rotary_dim, compute_dtype,
+                                                          cfg)
+    return in_seq, cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr, cfg: tl.constexpr):
+    """(cos1, cos2, sin1, sin2) [T, K] of the angles of both pair members for the T
+    positions `pos`, read from the angle table."""
+    BLOCK_T: tl.constexpr = cfg.BLOCK_T
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    half = rotary_dim // 2
+    row_stride, channel_stride = angles.strides[0], angles.strides[1]
+    # A position outside the table has no defined rotation: NaN, and its row is never read.
+    pos_ok = (pos >= 0) & (pos < angles.rows)
+    f_base = angles.freqs + tl.where(pos_ok, pos, 0)[:, None] * row_stride
+    # Angles of the two members of each pair: channels (k, k + half) for rotate-half,
+    # (2k, 2k + 1) interleaved.
+    if cfg.INTERLEAVED:
+        offs_d = tl.arange(0, 2 * BLOCK_HALF)
+        f = tl.load(f_base + offs_d[None, :] * channel_stride,
+                    mask=pos_ok[:, None] & (offs_d[None, :] < rotary_dim), other=0.0)
+        f1, f2 = tl.split(tl.reshape(f.to(compute_dtype), [BLOCK_T, BLOCK_HALF, 2]))
+    else:
+        offs_k = tl.arange(0, BLOCK_HALF)
+        mask_k = pos_ok[:, None] & (offs_k[None, :] < half)
+        f1 = tl.load(f_base + offs_k[None, :] * channel_stride, mask=mask_k, other=0.0)
+        f2 = tl.load(f_base + (offs_k + half)[None, :] * channel_stride, mask=mask_k, other=0.0)
+        f1, f2 = f1.to(compute_dtype), f2.to(compute_dtype)
+    if compute_dtype == tl.float64:
+        sin1, cos1 = tl.sin(f1), tl.cos(f1)
+        sin2, cos2 = tl.sin(f2), tl.cos(f2)
+    else:
+        sin1, cos1 = _table_sincos(f1)
+        sin2, cos2 = _table_sincos(f2)
+    cos1 = tl.where(pos_ok[:, None], cos1, _nan())
+    cos2 = tl.where(pos_ok[:, None], cos2, _nan())
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _rotation_from_positions(angles, positions, pos, rotary_dim, compute_dtype: tl.constexpr,
+                             cfg: tl.constexpr):
+    """(cos, sin) [T, K] of the angles pos * inv_freq[k] (both members of pair k share
+    them), times angles.scale.
+
+    The product of the integer position and the float32 inverse frequency is kept exact as
+    hi - err (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
+    exactly; NaN beyond) and reduced modulo pi without rounding it first
+    (`_exact_angle_sincos`)."""
+    offs_k = tl.arange(0, cfg.BLOCK_HALF)
+    mask_k = offs_k < rotary_dim // 2
+    inv_freq = tl.load(angles.freqs + offs_k, mask=mask_k, other=0.0)
+    if cfg.POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
+        # pair_axis is the caller's data: an axis outside [0, n_axes) gives NaN (through its
+        # frequency), never a read outside positions.
+        axis = tl.load(angles.pair_axis + offs_k, mask=mask_k, other=0).to(tl.int64)
+        axis_ok = (axis >= 0) & (axis < angles.n_axes)
+        inv_freq = tl.where(axis_ok, inv_freq, _nan())
+        axis_offset = tl.where(axis_ok, axis, 0)[None, :] * positions.strides[0]
+        p = tl.load(positions.positions + pos[:, None] + axis_offset,
+                    mask=mask_k[None, :], other=0).to(tl.int64)               # [T, K]
+    else:
+        p = pos[:, None]                                                       # [T, 1]
+    if compute_dtype == tl.float64:
+        angle = p.to(tl.float64) * inv_freq.to(tl.float64)[None, :]
+        sin, cos = tl.sin(angle), tl.cos(angle)
+    else:
+        # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
+        pf = tl.where(tl.abs(p) < _FAST_REDUCTION_LIMIT, p.to(tl.float32), _nan())
+        hi = pf * inv_freq[None, :]
+        # hi - pf * inv_freq exactly: written so, not as fma(pf, inv_freq, -hi), because the
+        # compiler turns -hi into a second product of -pf and inv_freq.
+        err = _fma(-pf, inv_freq[None, :], hi)
+        sin, cos = _exact_angle_sincos(hi, err)
+    return cos * angles.scale, sin * angles.scale
+
+
+
 
 # Angles the float32 reductions take: |angle| < 2^24 (for positions: every position below 2^24
 # at the fastest frequency, 1 rad per token). Larger angles give NaN, like positions outside a
@@ -78,9 +623,7 @@ _INV_PI_LO = tl.constexpr(1.2841276486597053e-08)
 
 # On the GPU the positions path takes sin/cos of its reduced angle from the hardware (PTX
 # sin.approx.f32 / cos.approx.f32); the interpreter cannot run PTX and takes numpy's sin/cos
-# of the same reduced angle. TRITON_INTERPRET must be set before this module is imported
-# (Triton itself reads it at import too).
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# of the same reduced angle.
 _HARDWARE_SINCOS = tl.constexpr(not _INTERPRETING)
 # The angle reductions and the exact two-product below need an fma that rounds once (`_fma`):
 # their results are exact, or their proofs assume one rounding. The GPU's tl.fma does; the
@@ -92,6 +635,10 @@ _HARDWARE_SINCOS = tl.constexpr(not _INTERPRETING)
 # result by at most about an ulp (in the interpreter only), and the emulation costs the
 # interpreter about 25 operations per fma.
 _EMULATED_FMA = tl.constexpr(_INTERPRETING)
+
+# Quiet NaN as float32 bits (a NaN constant cannot be a global: NaN != NaN trips Triton's
+# check that globals did not change since compilation).
+_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -208,570 +755,3 @@ def _exact_angle_sincos(hi, err):
     cos = (cos.to(tl.int32, bitcast=True) ^ odd).to(tl.float32, bitcast=True)
     return sin, cos
 
-
-@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "num_seqs", "cp_size", "cp_rank",
-                               "freqs_len", "angle_scale", "n_axes"])
-def rotary_kernel(
-    OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
-    num_tokens, seq_len, batch, nheads, rotary_dim, head_dim, freqs_len,
-    num_seqs, cp_size, cp_rank, angle_scale, n_axes,
-    stride_x_seq, stride_x_batch, stride_x_head, stride_x_dim,
-    stride_out_seq, stride_out_batch, stride_out_head, stride_out_dim,
-    stride_freqs_seq, stride_freqs_dim,
-    stride_pos_axis, stride_pos_seq, stride_pos_batch,
-    BLOCK_T: tl.constexpr,       # tokens per program
-    BLOCK_H: tl.constexpr,       # heads per program
-    BLOCK_HALF: tl.constexpr,    # power of two >= rotary_dim // 2
-    BLOCK_PASS: tl.constexpr,    # power of two >= head_dim - rotary_dim; 0: leave them (in place)
-    INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr,
-    IS_THD: tl.constexpr,
-    SEQ_MAJOR: tl.constexpr,     # token index is seq-major (sbhd) or batch-major (bshd)
-    HAS_START: tl.constexpr,
-    WIDE_INNER: tl.constexpr,    # offsets inside one token may exceed int32 (exotic strides)
-    ANGLES_FROM_POSITIONS: tl.constexpr,  # FREQS is inv_freq [d2/2], else the table [s2, d2]
-    POSITIONS_FROM: tl.constexpr,         # IMPLICIT_POSITIONS, POSITIONS_TENSOR, ...
-    SEARCH_LEVELS: tl.constexpr,  # thd: steps of the search over cu_seqlens, see _search_levels
-    FLAT_GRID: tl.constexpr,      # head blocks and token blocks share axis 0, see _program_grid
-):
-    tok_block, head_block = _program_block(tl.cdiv(nheads, BLOCK_H), FLAT_GRID)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    _rope_tile(
-        tok_block=tok_block, OUT=OUT, X=X, FREQS=FREQS, PAIR_AXIS=PAIR_AXIS, POSITIONS=POSITIONS,
-        START_POSITIONS=START_POSITIONS, CU_SEQLENS=CU_SEQLENS,
-        heads=heads, nheads=nheads, heads_per_group=1,
-        stride_x_seq=stride_x_seq, stride_x_batch=stride_x_batch, stride_x_group=stride_x_head,
-        stride_x_head=stride_x_head, stride_x_dim=stride_x_dim,
-        stride_out_seq=stride_out_seq, stride_out_batch=stride_out_batch,
-        stride_out_group=stride_out_head, stride_out_head=stride_out_head,
-        stride_out_dim=stride_out_dim,
-        stride_freqs_seq=stride_freqs_seq, stride_freqs_dim=stride_freqs_dim,
-        stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
-        stride_pos_batch=stride_pos_batch,
-        freqs_len=freqs_len, angle_scale=angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
-        head_dim=head_dim,
-        num_tokens=num_tokens, seq_len=seq_len, batch=batch, num_seqs=num_seqs,
-        cp_size=cp_size, cp_rank=cp_rank, SEARCH_LEVELS=SEARCH_LEVELS,
-        BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
-        INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, SEQ_MAJOR=SEQ_MAJOR,
-        HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
-        ANGLES_FROM_POSITIONS=ANGLES_FROM_POSITIONS, POSITIONS_FROM=POSITIONS_FROM)
-
-
-@triton.jit
-def _program_block(head_programs, FLAT_GRID: tl.constexpr):
-    """(token block, head program) of this program, `head_programs` per token block: one
-    grid axis each, or both on axis 0 with a token block's head programs adjacent
-    (`_program_grid`)."""
-    if FLAT_GRID:
-        tok_block = tl.program_id(0) // head_programs
-        head_program = tl.program_id(0) - tok_block * head_programs
-    else:
-        tok_block = tl.program_id(0)
-        head_program = tl.program_id(1)
-    return tok_block, head_program
-
-
-@triton.jit
-def _rope_tile(tok_block, OUT, X, FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS,
-               heads, nheads, heads_per_group,
-               stride_x_seq, stride_x_batch, stride_x_group, stride_x_head, stride_x_dim,
-               stride_out_seq, stride_out_batch, stride_out_group, stride_out_head, stride_out_dim,
-               stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
-               stride_pos_batch, freqs_len, angle_scale, n_axes, rotary_dim, head_dim, num_tokens,
-               seq_len, batch, num_seqs, cp_size, cp_rank, SEARCH_LEVELS: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-               BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-               IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr, HAS_START: tl.constexpr,
-               WIDE_INNER: tl.constexpr, ANGLES_FROM_POSITIONS: tl.constexpr,
-               POSITIONS_FROM: tl.constexpr):
-    """Rotate one tile: the program's BLOCK_T tokens times the given BLOCK_H heads.
-
-    All loads of the tile are issued first, and positions and cos/sin are worked out while
-    they are in flight: RoPE is a copy with a little arithmetic, so its speed is how well
-    the load latency is hidden. Head j sits at (j // heads_per_group) * stride_group +
-    (j % heads_per_group) * stride_head: j * stride_head for ordinary tensors
-    (heads_per_group = 1); the query heads of a packed [.., kv_heads, q|k|v] tensor otherwise.
-    """
-    tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, num_tokens, seq_len, batch,
-                                                      BLOCK_T, IS_THD, SEQ_MAJOR)
-    mask_th = tok_ok[:, None, None] & (heads < nheads)[None, :, None]      # [T, H, 1]
-    if WIDE_INNER:
-        heads = heads.to(tl.int64)
-    group, sub = heads // heads_per_group, heads % heads_per_group
-    x_base = _tile_base(X, seq_idx, batch_idx, stride_x_seq, stride_x_batch,
-                        group * stride_x_group + sub * stride_x_head)
-    out_base = _tile_base(OUT, seq_idx, batch_idx, stride_out_seq, stride_out_batch,
-                          group * stride_out_group + sub * stride_out_head)
-    compute_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-
-    # Loads. Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
-    # registers rather than gathered with stride 2.
-    half = rotary_dim // 2
-    offs_k = tl.arange(0, BLOCK_HALF)
-    offs_d = tl.arange(0, 2 * BLOCK_HALF)
-    if WIDE_INNER:
-        offs_k = offs_k.to(tl.int64)
-        offs_d = offs_d.to(tl.int64)
-    if INTERLEAVED:
-        mask = mask_th & (offs_d < rotary_dim)[None, None, :]
-        x = tl.load(x_base + offs_d[None, None, :] * stride_x_dim, mask=mask, other=0.0)
-        x1, x2 = tl.split(tl.reshape(x.to(compute_dtype), [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
-    else:
-        mask = mask_th & (offs_k < half)[None, None, :]
-        x1_ptrs = x_base + offs_k[None, None, :] * stride_x_dim
-        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(compute_dtype)
-        x2 = tl.load(x1_ptrs + half * stride_x_dim, mask=mask, other=0.0).to(compute_dtype)
-    if BLOCK_PASS > 0:
-        # Channels rotary_dim..head_dim are copied through.
-        offs_p = rotary_dim + tl.arange(0, BLOCK_PASS)
-        if WIDE_INNER:
-            offs_p = offs_p.to(tl.int64)
-        mask_p = mask_th & (offs_p < head_dim)[None, None, :]
-        x_pass = tl.load(x_base + offs_p[None, None, :] * stride_x_dim, mask=mask_p)
-
-    if IS_THD and POSITIONS_FROM == IMPLICIT_POSITIONS:
-        # ptxas issues the loads of the search for the tokens' sequences (a chain of
-        # dependent loads) first and the tile's loads only after the whole chain. The
-        # barrier keeps the tile's loads ahead (it waits for no load's data). Only here: ahead
-        # of positions or a table, it slows the tile (docs/design.md).
-        tl.debug_barrier()
-    # Positions and cos/sin depend on the token (and pair) only: worked out once for the
-    # tile's tokens and shared by its heads.
-    in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
-        FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, tok_block * BLOCK_T,
-        seq_idx, batch_idx, seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes,
-        rotary_dim,
-        stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq, stride_pos_batch,
-        compute_dtype, BLOCK_T, BLOCK_HALF, SEARCH_LEVELS, BLOCK_H > 1, IS_THD, HAS_START,
-        INTERLEAVED, ANGLES_FROM_POSITIONS, POSITIONS_FROM)
-    cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
-    # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b: the forward, or its transpose.
-    if BACKWARD:
-        sin_a, sin_b = -sin2[:, None, :], -sin1[:, None, :]
-    else:
-        sin_a, sin_b = sin1[:, None, :], sin2[:, None, :]
-    # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
-    # with the tile shape, and so would the last bit of a token's result with the batch size.
-    out1 = tl.fma(x1, cos1, -(x2 * sin_a))
-    out2 = tl.fma(x2, cos2, x1 * sin_b)
-    if IS_THD:
-        # Tokens outside every sequence pass through unchanged.
-        out1 = tl.where(in_seq[:, None, None], out1, x1)
-        out2 = tl.where(in_seq[:, None, None], out2, x2)
-
-    out_ty = OUT.dtype.element_ty
-    if INTERLEAVED:
-        out = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
-        tl.store(out_base + offs_d[None, None, :] * stride_out_dim, out.to(out_ty), mask=mask)
-    else:
-        out1_ptrs = out_base + offs_k[None, None, :] * stride_out_dim
-        tl.store(out1_ptrs, out1.to(out_ty), mask=mask)
-        tl.store(out1_ptrs + half * stride_out_dim, out2.to(out_ty), mask=mask)
-    if BLOCK_PASS > 0:
-        tl.store(out_base + offs_p[None, None, :] * stride_out_dim, x_pass, mask=mask_p)
-
-
-@triton.jit
-def _program_tokens(tok_block, num_tokens, seq_len, batch, BLOCK_T: tl.constexpr,
-                    IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr):
-    """The BLOCK_T token indices of token block `tok_block` (clamped into range), which of
-    them are real, and their (sequence, batch) indices."""
-    tok = tok_block * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok_ok = tok < num_tokens
-    tok = tl.minimum(tok, num_tokens - 1)
-    seq_idx, batch_idx = _token_coords(tok, seq_len, batch, IS_THD, SEQ_MAJOR)
-    return tok, tok_ok, seq_idx, batch_idx
-
-
-@triton.jit
-def _tile_base(PTR, seq_idx, batch_idx, stride_seq, stride_batch, head_offset):
-    """Pointers [T, H, 1] to channel 0 of each (token, head) of a tile; head_offset [H] holds
-    the heads' element offsets inside a token."""
-    row = seq_idx.to(tl.int64) * stride_seq + batch_idx.to(tl.int64) * stride_batch
-    return PTR + row[:, None, None] + head_offset[None, :, None]
-
-
-@triton.jit
-def _token_coords(tok, seq_len, batch, IS_THD: tl.constexpr, SEQ_MAJOR: tl.constexpr):
-    """(sequence, batch) index of each token; thd rows are addressed by the token alone."""
-    if IS_THD:
-        return tok, tok * 0
-    if SEQ_MAJOR:
-        return tok // batch, tok % batch
-    return tok % seq_len, tok // seq_len
-
-
-@triton.jit
-def _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx, batch_idx,
-               seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq, stride_pos_batch,
-               SEARCH_LEVELS: tl.constexpr, IS_THD: tl.constexpr, HAS_START: tl.constexpr,
-               POSITIONS_FROM: tl.constexpr):
-    """(in_seq, pos): whether each token lies inside a thd sequence (always, otherwise) and
-    its position (int64). With axis positions (M-RoPE), `pos` is instead the token's element
-    offset in POSITIONS, the axis still to be added per pair."""
-    in_seq = tok >= 0
-    if POSITIONS_FROM != IMPLICIT_POSITIONS:
-        offset = seq_idx.to(tl.int64) * stride_pos_seq + batch_idx.to(tl.int64) * stride_pos_batch
-        if POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
-            pos = offset
-        else:
-            pos = tl.load(POSITIONS + offset).to(tl.int64)
-    else:
-        in_seq, pos = _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx,
-                                          batch_idx, seq_len, num_seqs, cp_size, cp_rank,
-                                          SEARCH_LEVELS, IS_THD, HAS_START)
-    return in_seq, pos
-
-
-@triton.jit
-def _implicit_positions(START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx, batch_idx, seq_len,
-                        num_seqs, cp_size, cp_rank, SEARCH_LEVELS: tl.constexpr,
-                        IS_THD: tl.constexpr, HAS_START: tl.constexpr):
-    """(in_seq, pos) by TE's rules: the token's index in its sequence (int64), moved by context
-    parallelism and start_positions; in_seq says whether a thd token lies in a sequence."""
-    in_seq = tok >= 0
-    # int64 from here on: with a long (e.g. expanded) freqs table, start positions and the
-    # context-parallel offsets can pass 2^31.
-    seq_idx = seq_idx.to(tl.int64)
-    local_len = seq_len.to(tl.int64)
-    if IS_THD:
-        # cu_seqlens holds global (padded) offsets; a context-parallel rank holds 1/cp_size of
-        # each sequence. The token's sequence is the last i with cu[i] // cp_size <= tok, i.e.
-        # cu[i] < (tok + 1) * cp_size (no integer division).
-        next_start = (tok.to(tl.int64) + 1) * cp_size
-        batch_idx, seq_start, seq_end = _tile_sequences(CU_SEQLENS, first_tok, next_start,
-                                                        num_seqs, cp_size, SEARCH_LEVELS)
-        seq_start = (seq_start // cp_size).to(tl.int64)
-        seq_end = (seq_end // cp_size).to(tl.int64)
-        # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
-        in_seq = (tok >= seq_start) & (tok < seq_end)
-        seq_idx = tok - seq_start
-        local_len = seq_end - seq_start
-    # Context parallelism (TE's load-balanced split): the global sequence is cut into
-    # 2*cp_size chunks and rank r holds chunks r and 2*cp_size-1-r, so the second half of the
-    # local tokens jumps ahead.
-    pos = seq_idx
-    if cp_size > 1:
-        half_len = local_len // 2
-        pos = tl.where(seq_idx < half_len, seq_idx + cp_rank * half_len,
-                       seq_idx + cp_size * local_len - (cp_rank + 2) * half_len)
-    if HAS_START:
-        pos = pos + tl.load(START_POSITIONS + tl.minimum(batch_idx, num_seqs - 1)).to(tl.int64)
-    return in_seq, pos
-
-
-@triton.jit
-def _tile_sequences(CU_SEQLENS, first_tok, next_start, num_seqs, cp_size,
-                    SEARCH_LEVELS: tl.constexpr):
-    """(sequence index, cu[index], cu[index + 1]) of each of a tile's consecutive tokens: the
-    last i in [0, num_seqs] with cu[i] < next_start (0 when there is none).
-
-    The tile's first token is searched once for the whole program (uniform loads, one
-    vector of cu_seqlens per step); the others lie in the TILE_SCAN - 1 sequences after it,
-    read as one vector, unless the tile crosses TILE_SCAN - 2 sequence ends or more (many
-    empty or very short sequences): then each token is searched on its own
-    (`_token_sequences`). cu_seqlens is non-decreasing; were it not, every index is still
-    in [0, num_seqs] (a wrong but in-bounds sequence), never a read outside it. Its entries
-    are loaded evict_last: every program reads them, between streaming loads of the tile
-    that would push them out."""
-    first = _first_sequence(CU_SEQLENS, (first_tok + 1).to(tl.int64) * cp_size, num_seqs,
-                            SEARCH_LEVELS)
-    j = tl.arange(0, TILE_SCAN)
-    # cu[first + j], clamped to cu[num_seqs] past the end: entry j + 1 is then the end of
-    # sequence first + j, as for the last sequence.
-    entry = tl.load(CU_SEQLENS + tl.minimum(first + j, num_seqs), eviction_policy="evict_last")
-    counted = (j > 0) & (first + j <= num_seqs)
-    ahead = tl.sum((counted[None, :] & (entry[None, :] < next_start[:, None])).to(tl.int32),
-                   axis=1)
-    if tl.max(ahead, axis=0) < TILE_SCAN - 1:
-        seq = first + ahead
-        # entries ahead and ahead + 1 of the vector, picked in registers
-        seq_start = tl.sum(tl.where(j[None, :] == ahead[:, None], entry[None, :], 0), axis=1)
-        seq_end = tl.sum(tl.where(j[None, :] == ahead[:, None] + 1, entry[None, :], 0), axis=1)
-    else:
-        seq = _token_sequences(CU_SEQLENS, next_start, num_seqs, SEARCH_LEVELS)
-        seq_start = tl.load(CU_SEQLENS + seq, eviction_policy="evict_last")
-        seq_end = tl.load(CU_SEQLENS + tl.minimum(seq + 1, num_seqs),
-                          eviction_policy="evict_last")
-    return seq, seq_start, seq_end
-
-
-@triton.jit
-def _first_sequence(CU_SEQLENS, next_start, num_seqs, SEARCH_LEVELS: tl.constexpr):
-    """The last i in [0, num_seqs] with cu[i] < next_start (0 if none) for one token, by the
-    whole program: each step compares one vector of TILE_FAN - 1 entries, spaced `step`
-    apart (a TILE_FAN-way split), so ceil(SEARCH_LEVELS / 2) steps cover what the per-token
-    search covers in SEARCH_LEVELS."""
-    j = tl.arange(0, TILE_FAN)
-    lo = num_seqs * 0
-    step = 1
-    for _ in tl.static_range((SEARCH_LEVELS + 1) // 2 - 1):
-        step *= TILE_FAN
-    for _ in tl.static_range((SEARCH_LEVELS + 1) // 2):
-        cand = lo + j * step
-        counted = (j > 0) & (cand <= num_seqs)
-        entry = tl.load(CU_SEQLENS + cand, mask=counted, other=0, eviction_policy="evict_last")
-        lo += tl.sum((counted & (entry < next_start)).to(tl.int32), axis=0) * step
-        step //= TILE_FAN
-    return lo
-
-
-@triton.jit
-def _token_sequences(CU_SEQLENS, next_start, num_seqs, SEARCH_LEVELS: tl.constexpr):
-    """The last i in [0, num_seqs] with cu[i] < next_start (0 if none), for each token on
-    its own: SEARCH_FAN-way, each step loads SEARCH_FAN - 1 entries at once (independent
-    cached loads) and moves past those below, so the chain of dependent loads is
-    SEARCH_LEVELS long instead of log2(num_seqs)."""
-    lo = (next_start * 0).to(tl.int32)
-    step = 1
-    for _ in tl.static_range(SEARCH_LEVELS - 1):
-        step *= SEARCH_FAN
-    for _ in tl.static_range(SEARCH_LEVELS):
-        below = lo * 0
-        for j in tl.static_range(1, SEARCH_FAN):
-            cand = lo + j * step
-            valid = cand <= num_seqs
-            entry = tl.load(CU_SEQLENS + cand, mask=valid, other=0, eviction_policy="evict_last")
-            below += (valid & (entry < next_start)).to(tl.int32)
-        lo += below * step
-        step //= SEARCH_FAN
-    return lo
-
-
-@triton.jit
-def _tile_angles(FREQS, PAIR_AXIS, POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx,
-                 batch_idx, seq_len, num_seqs, cp_size, cp_rank, freqs_len, angle_scale, n_axes,
-                 rotary_dim, stride_freqs_seq, stride_freqs_dim, stride_pos_axis, stride_pos_seq,
-                 stride_pos_batch, compute_dtype: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, SEARCH_LEVELS: tl.constexpr, SHARED: tl.constexpr,
-                 IS_THD: tl.constexpr, HAS_START: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 ANGLES_FROM_POSITIONS: tl.constexpr, POSITIONS_FROM: tl.constexpr):
-    """(in_seq, cos1, cos2, sin1, sin2) of the tile's tokens: whether each lies inside a
-    sequence (`_positions`), and [T, K] cos and sin of the angles of both members of each pair.
-
-    SHARED (a tile of several heads): these are worked out once per token (and pair) across
-    the program's threads, then handed to the threads that hold each head. Left alone,
-    Triton recomputes values in the layout of the tile that consumes them (it
-    rematerializes producers that look cheap rather than move values between threads), so
-    that every thread would run the thd search and sin/cos for all pairs of its own
-    channels, once per head row it shares with other threads: several times the arithmetic
-    of the loads and stores it has to hide behind. Triton never rematerializes the results of
-    a `while` loop: worked out inside one-trip loops, positions and angles keep layouts of
-    their own (one token per thread for the search, one (token, pair) for sin/cos) and reach
-    the tile's through shared memory."""
-    if SHARED:
-        in_seq = tok >= 0
-        pos = tok.to(tl.int64)
-        trips = 0
-        while trips < 1:
-            in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok,
-                                     seq_idx, batch_idx, seq_len, num_seqs, cp_size, cp_rank,
-                                     stride_pos_seq, stride_pos_batch, SEARCH_LEVELS, IS_THD,
-                                     HAS_START, POSITIONS_FROM)
-            trips += 1
-        cos1 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
-        sin1 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
-        if ANGLES_FROM_POSITIONS:
-            trips = 0
-            while trips < 1:
-                cos1, sin1 = _rotation_from_positions(FREQS, PAIR_AXIS, POSITIONS, pos,
-                                                      angle_scale, n_axes, rotary_dim // 2,
-                                                      stride_pos_axis, compute_dtype,
-                                                      BLOCK_HALF, POSITIONS_FROM)
-                trips += 1
-            cos2, sin2 = cos1, sin1
-        else:
-            cos2 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
-            sin2 = tl.zeros([BLOCK_T, BLOCK_HALF], compute_dtype)
-            trips = 0
-            while trips < 1:
-                cos1, cos2, sin1, sin2 = _rotation_from_table(
-                    FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
-                    compute_dtype, BLOCK_T, BLOCK_HALF, INTERLEAVED)
-                trips += 1
-    else:
-        in_seq, pos = _positions(POSITIONS, START_POSITIONS, CU_SEQLENS, tok, first_tok, seq_idx,
-                                 batch_idx, seq_len, num_seqs, cp_size, cp_rank, stride_pos_seq,
-                                 stride_pos_batch, SEARCH_LEVELS, IS_THD, HAS_START,
-                                 POSITIONS_FROM)
-        if ANGLES_FROM_POSITIONS:
-            cos1, sin1 = _rotation_from_positions(FREQS, PAIR_AXIS, POSITIONS, pos, angle_scale,
-                                                  n_axes, rotary_dim // 2, stride_pos_axis,
-                                                  compute_dtype, BLOCK_HALF, POSITIONS_FROM)
-            cos2, sin2 = cos1, sin1
-        else:
-            cos1, cos2, sin1, sin2 = _rotation_from_table(FREQS, pos, freqs_len, rotary_dim,
-                                                          stride_freqs_seq, stride_freqs_dim,
-                                                          compute_dtype, BLOCK_T, BLOCK_HALF,
-                                                          INTERLEAVED)
-    return in_seq, cos1, cos2, sin1, sin2
-
-
-@triton.jit
-def _rotation_from_table(FREQS, pos, freqs_len, rotary_dim, stride_freqs_seq, stride_freqs_dim,
-                         compute_dtype: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """(cos1, cos2, sin1, sin2) [P, K] of the angles of both pair members for the P
-    positions `pos`, read from the angle table."""
-    half = rotary_dim // 2
-    # A position outside freqs has no defined rotation: NaN, and its row is never read.
-    pos_ok = (pos >= 0) & (pos < freqs_len)
-    f_base = FREQS + tl.where(pos_ok, pos, 0)[:, None] * stride_freqs_seq
-    # Angles of the two members of each pair: channels (k, k + half) for rotate-half,
-    # (2k, 2k + 1) interleaved.
-    if INTERLEAVED:
-        offs_d = tl.arange(0, 2 * BLOCK_HALF)
-        f = tl.load(f_base + offs_d[None, :] * stride_freqs_dim,
-                    mask=pos_ok[:, None] & (offs_d[None, :] < rotary_dim), other=0.0)
-        f1, f2 = tl.split(tl.reshape(f.to(compute_dtype), [BLOCK_P, BLOCK_HALF, 2]))
-    else:
-        offs_k = tl.arange(0, BLOCK_HALF)
-        mask_k = pos_ok[:, None] & (offs_k[None, :] < half)
-        f1 = tl.load(f_base + offs_k[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
-        f2 = tl.load(f_base + (offs_k + half)[None, :] * stride_freqs_dim, mask=mask_k, other=0.0).to(compute_dtype)
-    if compute_dtype == tl.float64:
-        sin1, cos1 = tl.sin(f1), tl.cos(f1)
-        sin2, cos2 = tl.sin(f2), tl.cos(f2)
-    else:
-        sin1, cos1 = _table_sincos(f1)
-        sin2, cos2 = _table_sincos(f2)
-    cos1 = tl.where(pos_ok[:, None], cos1, _nan())
-    cos2 = tl.where(pos_ok[:, None], cos2, _nan())
-    return cos1, cos2, sin1, sin2
-
-
-@triton.jit
-def _rotation_from_positions(INV_FREQ, PAIR_AXIS, POSITIONS, pos, angle_scale, n_axes, half,
-                             stride_pos_axis, compute_dtype: tl.constexpr,
-                             BLOCK_HALF: tl.constexpr, POSITIONS_FROM: tl.constexpr):
-    """(cos, sin) [P, K] of the angles pos * inv_freq[k] (both members of pair k share
-    them), times angle_scale.
-
-    The product of the integer position and the float32 inverse frequency is kept exact as
-    hi - err (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
-    exactly; NaN beyond) and reduced modulo pi without rounding it first
-    (`_exact_angle_sincos`)."""
-    offs_k = tl.arange(0, BLOCK_HALF)
-    mask_k = offs_k < half
-    inv_freq = tl.load(INV_FREQ + offs_k, mask=mask_k, other=0.0)
-    if POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
-        # pair_axis is the caller's data: an axis outside [0, n_axes) gives NaN (through its
-        # frequency), never a read outside positions.
-        axis = tl.load(PAIR_AXIS + offs_k, mask=mask_k, other=0).to(tl.int64)
-        axis_ok = (axis >= 0) & (axis < n_axes)
-        inv_freq = tl.where(axis_ok, inv_freq, _nan())
-        p = tl.load(POSITIONS + pos[:, None] + tl.where(axis_ok, axis, 0)[None, :] * stride_pos_axis,
-                    mask=mask_k[None, :], other=0).to(tl.int64)               # [P, K]
-    else:
-        p = pos[:, None]                                                       # [P, 1]
-    if compute_dtype == tl.float64:
-        angle = p.to(tl.float64) * inv_freq.to(tl.float64)[None, :]
-        sin, cos = tl.sin(angle), tl.cos(angle)
-    else:
-        # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
-        pf = tl.where(tl.abs(p) < _FAST_REDUCTION_LIMIT, p.to(tl.float32), _nan())
-        hi = pf * inv_freq[None, :]
-        # hi - pf * inv_freq exactly: written so, not as fma(pf, inv_freq, -hi), because the
-        # compiler turns -hi into a second product of -pf and inv_freq.
-        err = _fma(-pf, inv_freq[None, :], hi)
-        sin, cos = _exact_angle_sincos(hi, err)
-    return cos * angle_scale, sin * angle_scale
-
-
-@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank",
-                               "q_freqs_len", "k_freqs_len", "q_angle_scale", "k_angle_scale",
-                               "n_axes"])
-def rotary_qkv_kernel(
-    Q_OUT, K_OUT, V_OUT, Q_IN, K_IN, V_IN, Q_FREQS, K_FREQS, Q_PAIR_AXIS, K_PAIR_AXIS,
-    POSITIONS, START_POSITIONS,
-    num_tokens, seq_len, batch, kv_heads, q_per_kv, rotary_dim, head_dim, v_dim,
-    q_freqs_len, k_freqs_len, q_angle_scale, k_angle_scale, n_axes, cp_size, cp_rank, q_programs,
-    # q as (seq, batch, kv group, head in group, channel); k and v as (seq, batch, head,
-    # channel). Forward reads the packed tensor and writes three; backward the reverse.
-    stride_qin_seq, stride_qin_batch, stride_qin_group, stride_qin_head, stride_qin_dim,
-    stride_qout_seq, stride_qout_batch, stride_qout_group, stride_qout_head, stride_qout_dim,
-    stride_kin_seq, stride_kin_batch, stride_kin_head, stride_kin_dim,
-    stride_kout_seq, stride_kout_batch, stride_kout_head, stride_kout_dim,
-    stride_vin_seq, stride_vin_batch, stride_vin_head, stride_vin_dim,
-    stride_vout_seq, stride_vout_batch, stride_vout_head, stride_vout_dim,
-    stride_qf_seq, stride_qf_dim, stride_kf_seq, stride_kf_dim,
-    stride_pos_axis, stride_pos_seq, stride_pos_batch,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,       # query heads per program
-    BLOCK_KV: tl.constexpr,      # key (and value) heads per program
-    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BLOCK_V: tl.constexpr,       # power of two >= v_dim
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, SEQ_MAJOR: tl.constexpr,
-    HAS_START: tl.constexpr, WIDE_INNER: tl.constexpr,
-    ANGLES_FROM_POSITIONS: tl.constexpr, POSITIONS_FROM: tl.constexpr,
-    FLAT_GRID: tl.constexpr,
-):
-    """Fused QKV: one launch for q, k and v. The head programs of a token block first cover
-    the query heads (kv_heads * q_per_kv, rotated with Q_FREQS), then the key heads (K_FREQS),
-    each with its value heads copied through."""
-    tok_block, pid_h = _program_block(q_programs + tl.cdiv(kv_heads, BLOCK_KV), FLAT_GRID)
-    if pid_h < q_programs:
-        q_heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        _rope_tile(
-            tok_block=tok_block, OUT=Q_OUT, X=Q_IN, FREQS=Q_FREQS, PAIR_AXIS=Q_PAIR_AXIS,
-            POSITIONS=POSITIONS,
-            START_POSITIONS=START_POSITIONS, CU_SEQLENS=START_POSITIONS,   # no thd: unused
-            heads=q_heads, nheads=kv_heads * q_per_kv, heads_per_group=q_per_kv,
-            stride_x_seq=stride_qin_seq, stride_x_batch=stride_qin_batch,
-            stride_x_group=stride_qin_group, stride_x_head=stride_qin_head,
-            stride_x_dim=stride_qin_dim,
-            stride_out_seq=stride_qout_seq, stride_out_batch=stride_qout_batch,
-            stride_out_group=stride_qout_group, stride_out_head=stride_qout_head,
-            stride_out_dim=stride_qout_dim,
-            stride_freqs_seq=stride_qf_seq, stride_freqs_dim=stride_qf_dim,
-            stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
-            stride_pos_batch=stride_pos_batch,
-            freqs_len=q_freqs_len, angle_scale=q_angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
-            head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
-            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_LEVELS=0,
-            BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
-            INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
-            HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
-            ANGLES_FROM_POSITIONS=ANGLES_FROM_POSITIONS, POSITIONS_FROM=POSITIONS_FROM)
-    else:
-        # Key heads, with the value heads of the same kv heads copied alongside: a key tile
-        # alone would be a small program (a quarter of a query tile under 4:1 GQA). The values
-        # are loaded first and stored last, so that their loads overlap the key tile's.
-        k_heads = (pid_h - q_programs) * BLOCK_KV + tl.arange(0, BLOCK_KV)
-        tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, num_tokens, seq_len, batch,
-                                                          BLOCK_T, False, SEQ_MAJOR)
-        v_heads = k_heads
-        dims = tl.arange(0, BLOCK_V)
-        if WIDE_INNER:
-            v_heads = v_heads.to(tl.int64)
-            dims = dims.to(tl.int64)
-        mask_v = (tok_ok[:, None, None] & (v_heads < kv_heads)[None, :, None]
-                  & (dims < v_dim)[None, None, :])
-        v_in = _tile_base(V_IN, seq_idx, batch_idx, stride_vin_seq, stride_vin_batch,
-                          v_heads * stride_vin_head)
-        v = tl.load(v_in + (dims * stride_vin_dim)[None, None, :], mask=mask_v)
-        _rope_tile(
-            tok_block=tok_block, OUT=K_OUT, X=K_IN, FREQS=K_FREQS, PAIR_AXIS=K_PAIR_AXIS,
-            POSITIONS=POSITIONS,
-            START_POSITIONS=START_POSITIONS, CU_SEQLENS=START_POSITIONS,   # no thd: unused
-            heads=k_heads, nheads=kv_heads, heads_per_group=1,
-            stride_x_seq=stride_kin_seq, stride_x_batch=stride_kin_batch,
-            stride_x_group=stride_kin_head, stride_x_head=stride_kin_head,
-            stride_x_dim=stride_kin_dim,
-            stride_out_seq=stride_kout_seq, stride_out_batch=stride_kout_batch,
-            stride_out_group=stride_kout_head, stride_out_head=stride_kout_head,
-            stride_out_dim=stride_kout_dim,
-            stride_freqs_seq=stride_kf_seq, stride_freqs_dim=stride_kf_dim,
-            stride_pos_axis=stride_pos_axis, stride_pos_seq=stride_pos_seq,
-            stride_pos_batch=stride_pos_batch,
-            freqs_len=k_freqs_len, angle_scale=k_angle_scale, n_axes=n_axes, rotary_dim=rotary_dim,
-            head_dim=head_dim, num_tokens=num_tokens, seq_len=seq_len, batch=batch,
-            num_seqs=batch, cp_size=cp_size, cp_rank=cp_rank, SEARCH_LEVELS=0,
-            BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_KV, BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS,
-            INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=False, SEQ_MAJOR=SEQ_MAJOR,
-            HAS_START=HAS_START, WIDE_INNER=WIDE_INNER,
-            ANGLES_FROM_POSITIONS=ANGLES_FROM_POSITIONS, POSITIONS_FROM=POSITIONS_FROM)
-        v_out = _tile_base(V_OUT, seq_idx, batch_idx, stride_vout_seq, stride_vout_batch,
-                           v_heads * stride_vout_head)
-        tl.store(v_out + (dims * stride_vout_dim)[None, None, :], v, mask=mask_v)

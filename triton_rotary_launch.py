@@ -20,6 +20,14 @@ from triton_rotary_kernel import (
     IMPLICIT_POSITIONS,
     POSITIONS_TENSOR,
     SEARCH_FAN,
+    Angles,
+    HeadShape,
+    InOut,
+    Positions,
+    QKVShape,
+    Tokens,
+    Variant,
+    View,
     rotary_kernel,
     rotary_qkv_kernel,
 )
@@ -455,44 +463,78 @@ def _compiled_runner(kernel, grid):
 
 
 class _Launch:
-    """One planned launch of a Triton kernel (grid, scalar arguments and constexprs fixed).
+    """One planned launch of a Triton kernel: its grid and compile-time choices (`cfg`, a
+    Variant) fixed; called with the kernel's runtime arguments.
 
     The first call per device and pointer alignment (which Triton specializes on) goes
     through Triton's JIT, which compiles or finds the kernel; later calls hand the arguments
     to the compiled kernel's launcher (`_compiled_runner`), skipping the JIT's per-call binding
-    and specialization of ~40 arguments, which costs more CPU time than a small RoPE takes on
-    the GPU. `runners` holds the launchers (tests check that it fills).
+    and specialization of every argument, which costs more CPU time than a small RoPE takes
+    on the GPU. `runners` holds the launchers (tests check that it fills).
     """
 
-    def __init__(self, fn, grid, scalars, constexprs):
-        self.fn, self.grid, self.scalars, self.constexprs = fn, grid, scalars, constexprs
-        # Values of the constexpr parameters in signature order (they come last).
-        self.constexpr_values = tuple(constexprs[n] for n in fn.arg_names if n in constexprs)
+    def __init__(self, kernel, grid, cfg, num_warps):
+        self.kernel, self.grid, self.cfg, self.num_warps = kernel, grid, cfg, num_warps
         self.runners = {}
+        self.tensor_paths = None
 
-    def __call__(self, *tensors):
+    def __call__(self, *args):
         # How to launch follows the real environment (tests vary the launch rule alone,
         # through _interpreting()).
         if _INTERPRETING or not DIRECT_LAUNCH:
-            self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
+            self.kernel[self.grid](*args, self.cfg, num_warps=self.num_warps)
             return
-        key = (torch.cuda.current_device(),
-               *[x is not None and not x.data_ptr() % 16 for x in tensors])
+        if self.tensor_paths is None:   # where the tensors sit: fixed by the plan's key
+            self.tensor_paths = _tensor_paths(args)
+        key = [torch.cuda.current_device()]
+        for path in self.tensor_paths:
+            x = args
+            for i in path:
+                x = x[i]
+            key.append(not x.data_ptr() % 16)
+        key = tuple(key)
         runner = self.runners.get(key)
         if runner is not None:
-            runner(*tensors, *self.scalars, *self.constexpr_values)
+            runner(*args, self.cfg)
             return
-        kernel = self.fn[self.grid](*tensors, *self.scalars, **self.constexprs)
+        kernel = self.kernel[self.grid](*args, self.cfg, num_warps=self.num_warps)
         runner = _compiled_runner(kernel, self.grid)
         if runner is not None:
             self.runners[key] = runner
 
 
-class _Plan(NamedTuple):
-    """A validated call: its launch (None when there is nothing to compute) and, for the
-    fused QKV, the (q, k, v) widths."""
+def _tensor_paths(value, path=()):
+    """The index paths of the tensors inside a (nested) tuple of kernel arguments."""
+    if isinstance(value, torch.Tensor):
+        return [path]
+    if isinstance(value, tuple):
+        return [p for i, v in enumerate(value) for p in _tensor_paths(v, (*path, i))]
+    return []
+
+
+class _RopePlan(NamedTuple):
+    """A validated call to rotary_kernel: its launch (None when there is nothing to compute)
+    and the arguments that follow from the tensors' metadata."""
     launch: object
-    split: tuple = ()
+    x_strides: tuple = ()
+    out_strides: tuple = ()
+    table_strides: tuple = ()
+    table_rows: int = 0
+    position_strides: tuple = ()
+    shape: HeadShape = None
+    tokens: Tokens = None
+
+
+class _QKVPlan(NamedTuple):
+    """A validated call to rotary_qkv_kernel, as _RopePlan; `split` holds the (q, k, v) widths."""
+    launch: object
+    split: tuple
+    view_strides: tuple = ()     # of q, k and v's source and destination views, in that order
+    q_table: tuple = ()          # (strides, rows) of q's table
+    k_table: tuple = ()
+    position_strides: tuple = ()
+    shape: QKVShape = None
+    tokens: Tokens = None
 
 
 # Launch plans keyed by everything the checks and the launch rule read (tensors' metadata,
@@ -542,14 +584,11 @@ def _source_key(source):
     return (type(source),)
 
 
-def _table_strides(source):
-    """(row, channel) element strides of a table; zeros for angles from positions."""
-    return (0, 0) if source.from_positions else (source.angles.stride(0), source.angles.stride(3))
-
-
-def _source_scalars(source):
-    """(rows of the table or 0, cos/sin scale) of an AngleSource."""
-    return (0 if source.from_positions else source.angles.shape[0]), source.scale
+def _table_layout(source):
+    """((row, channel) element strides, rows) of a table; zeros for angles from positions."""
+    if source.from_positions:
+        return (0, 0), 0
+    return (source.angles.stride(0), source.angles.stride(3)), source.angles.shape[0]
 
 
 def _as_source(freqs, name):
@@ -583,7 +622,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         if _overlaps_itself(out):
             raise ValueError("out must not overlap itself in memory")
     if t.numel() == 0:
-        return _Plan(None)
+        return _RopePlan(None)
     x_strides = _token_strides(t, tensor_format)
     out_strides = x_strides if in_place else (
         _token_strides(out, tensor_format) if out is not None else
@@ -594,20 +633,21 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     grid, meta = launch_config(shape, t.device, copy_pass=not in_place,
                                element_size=t.element_size(),
                                tile_bytes=SEARCH_TILE_BYTES if is_thd and positions is None else None)
-    freqs_len, scale = _source_scalars(source)
-    scalars = (shape.num_tokens, shape.seq_len, shape.batch, shape.nheads, shape.rotary_dim,
-               shape.head_dim, freqs_len, shape.batch, cp_size, cp_rank, scale, source.n_axes,
-               *x_strides, *out_strides,
-               *_table_strides(source),
-               *_position_strides(positions, source, tensor_format))
-    constexprs = dict(INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
-                      SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
-                      WIDE_INNER=widest > _INT32_MAX,
-                      ANGLES_FROM_POSITIONS=source.from_positions,
-                      POSITIONS_FROM=_positions_mode(source, positions),
-                      SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0, **meta)
-    grid, constexprs["FLAT_GRID"] = _program_grid(*grid)
-    return _Plan(_Launch(rotary_kernel, grid, scalars, constexprs))
+    grid, flat_grid = _program_grid(*grid)
+    cfg = Variant(BLOCK_T=meta["BLOCK_T"], BLOCK_H=meta["BLOCK_H"], BLOCK_HALF=meta["BLOCK_HALF"],
+                  BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved, BACKWARD=backward,
+                  SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
+                  WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
+                  POSITIONS_FROM=_positions_mode(source, positions), FLAT_GRID=flat_grid,
+                  IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0)
+    table_strides, table_rows = _table_layout(source)
+    return _RopePlan(
+        _Launch(rotary_kernel, grid, cfg, meta["num_warps"]),
+        x_strides=x_strides, out_strides=out_strides,
+        table_strides=table_strides, table_rows=table_rows,
+        position_strides=_position_strides(positions, source, tensor_format),
+        shape=HeadShape(shape.nheads, shape.head_dim, shape.rotary_dim),
+        tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank))
 
 
 def _index_tensor(x):
@@ -650,8 +690,15 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     if out is None:
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
     if plan.launch is not None:
-        plan.launch(out, t, source.angles, source.pair_axis, positions, start_positions,
-                    cu_seqlens)
+        tokens = plan.tokens
+        plan.launch(
+            View(t, plan.x_strides),                                            # x
+            View(out, plan.out_strides),                                        # out
+            Angles(source.angles, plan.table_strides, plan.table_rows,          # angles
+                   source.pair_axis, source.n_axes, source.scale),
+            Positions(positions, plan.position_strides, start_positions, cu_seqlens),
+            plan.shape,                                                         # HeadShape
+            tokens.num_tokens, tokens.seq_len, tokens.batch, tokens.cp_size, tokens.cp_rank)
     return out
 
 
@@ -692,7 +739,8 @@ def _seq_batch_strides(x: torch.Tensor, tensor_format: str):
 
 
 def _qkv_views(qkv, split, grads, result):
-    """(q, k, v) in and out views for the kernel: q as [.., kv heads, q heads per kv, d]."""
+    """(source, destination) views of q, k and v for the kernel, in that order: forward from
+    the packed tensor, backward into it; q as [.., kv heads, q heads per kv, d]."""
     q_dim, k_dim, _ = split
     q_per_kv, kv_heads = q_dim // k_dim, qkv.shape[2]
     packed = qkv if grads is None else result
@@ -731,7 +779,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                 raise ValueError(f"{name} must have shape {shp}, dtype {qkv.dtype} and device "
                                  f"{qkv.device}, got {tuple(g.shape)} {g.dtype} {g.device}")
     if qkv.numel() == 0:
-        return _Plan(None, split)
+        return _QKVPlan(None, split)
     views = _qkv_views(qkv, split, grads, qkv_outputs(qkv.to("meta"), split, grads))
     widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in views)
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
@@ -746,22 +794,22 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
         block_kv //= 2
     q_programs = triton.cdiv(kv_heads * q_per_kv, meta["BLOCK_H"])
     k_programs = triton.cdiv(kv_heads, block_kv)
-    # (seq, batch, then the remaining dims) strides of each view, in the kernel's order.
-    strides = [s for x in views for s in (*_seq_batch_strides(x, tensor_format), *x.stride()[2:])]
-    (q_len, q_scale), (k_len, k_scale) = _source_scalars(q_source), _source_scalars(k_source)
-    scalars = (shape.num_tokens, shape.seq_len, shape.batch, kv_heads, q_per_kv, shape.rotary_dim,
-               k_dim, v_dim, q_len, k_len, q_scale, k_scale, q_source.n_axes, cp_size, cp_rank,
-               q_programs,
-               *strides, *_table_strides(q_source), *_table_strides(k_source),
-               *_position_strides(positions, q_source, tensor_format))
-    constexprs = dict(BLOCK_KV=block_kv, BLOCK_V=block_v,
-                      BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
-                      HAS_START=start_positions is not None, INTERLEAVED=interleaved,
-                      WIDE_INNER=widest > _INT32_MAX,
-                      ANGLES_FROM_POSITIONS=q_source.from_positions,
-                      POSITIONS_FROM=_positions_mode(q_source, positions), **meta)
-    grid, constexprs["FLAT_GRID"] = _program_grid(grid[0], q_programs + k_programs, "qkv")
-    return _Plan(_Launch(rotary_qkv_kernel, grid, scalars, constexprs), split)
+    grid, flat_grid = _program_grid(grid[0], q_programs + k_programs, "qkv")
+    cfg = Variant(BLOCK_T=meta["BLOCK_T"], BLOCK_H=meta["BLOCK_H"], BLOCK_HALF=meta["BLOCK_HALF"],
+                  BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved,
+                  BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
+                  HAS_START=start_positions is not None, WIDE_INNER=widest > _INT32_MAX,
+                  ANGLES_FROM_POSITIONS=q_source.from_positions,
+                  POSITIONS_FROM=_positions_mode(q_source, positions), FLAT_GRID=flat_grid,
+                  BLOCK_KV=block_kv, BLOCK_V=block_v)
+    return _QKVPlan(
+        _Launch(rotary_qkv_kernel, grid, cfg, meta["num_warps"]), split,
+        # (seq, batch, then the remaining dims) strides of each view
+        view_strides=tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:]) for x in views),
+        q_table=_table_layout(q_source), k_table=_table_layout(k_source),
+        position_strides=_position_strides(positions, q_source, tensor_format),
+        shape=QKVShape(kv_heads, q_per_kv, k_dim, shape.rotary_dim, v_dim, q_programs),
+        tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank))
 
 
 def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
@@ -789,7 +837,18 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
     result = qkv_outputs(qkv, plan.split, grads)
     if plan.launch is not None:
         q_source, k_source = sources
-        q_in, q_out, k_in, k_out, v_in, v_out = _qkv_views(qkv, plan.split, grads, result)
-        plan.launch(q_out, k_out, v_out, q_in, k_in, v_in, q_source.angles, k_source.angles,
-                    q_source.pair_axis, k_source.pair_axis, positions, start_positions)
+        q_src, q_dst, k_src, k_dst, v_src, v_dst = _qkv_views(qkv, plan.split, grads, result)
+        strides, tokens = plan.view_strides, plan.tokens
+        (q_table_strides, q_rows), (k_table_strides, k_rows) = plan.q_table, plan.k_table
+        plan.launch(
+            InOut(View(q_src, strides[0]), View(q_dst, strides[1])),            # q
+            InOut(View(k_src, strides[2]), View(k_dst, strides[3])),            # k
+            InOut(View(v_src, strides[4]), View(v_dst, strides[5])),            # v
+            Angles(q_source.angles, q_table_strides, q_rows,                    # q_angles
+                   q_source.pair_axis, q_source.n_axes, q_source.scale),
+            Angles(k_source.angles, k_table_strides, k_rows,                    # k_angles
+                   k_source.pair_axis, k_source.n_axes, k_source.scale),
+            Positions(positions, plan.position_strides, start_positions, None),
+            plan.shape,                                                         # QKVShape
+            tokens.num_tokens, tokens.seq_len, tokens.batch, tokens.cp_size, tokens.cp_rank)
     return result
