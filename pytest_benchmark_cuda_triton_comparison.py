@@ -2181,18 +2181,17 @@ def test_tile_sequence_search_matches_searchsorted(case, index_dtype):
 
 
 @pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
-def test_other_launch_configs(monkeypatch, tile, min_programs):
+def test_other_launch_configs(tile, min_programs):
     """Tiles from one channel row up to several tokens (within or across batch entries and
     thd sequences), tails of the token grid, and tiles shrunk to give a big GPU enough
     programs: all give the same result."""
-    if ON_GPU:
-        monkeypatch.setattr(triton_rotary_launch, "TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_launch, "SEARCH_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_launch, "QKV_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_launch, "MIN_PROGRAMS_PER_SM", min_programs)
-    else:
-        monkeypatch.setattr(triton_rotary_launch, "INTERPRETER_TILE_BYTES", tile)
-        monkeypatch.setattr(triton_rotary_launch, "INTERPRETER_MIN_PROGRAMS", min_programs)
+    rule = triton_rotary_launch.launch_rule()._replace(
+        tile_bytes=tile, search_tile_bytes=tile, qkv_tile_bytes=tile, min_programs_per_sm=min_programs)
+    with triton_rotary_launch.use_launch_rule(rule):
+        _check_launch_configs()
+
+
+def _check_launch_configs():
     torch.manual_seed(9)
     for interleaved in (False, True):
         freqs = RotaryPositionEmbedding(16, interleaved=interleaved, device=DEVICE)(7)
@@ -2354,46 +2353,45 @@ def test_plan_cache_keeps_validation():
             apply_rotary_pos_emb(t, freqs, **kwargs)
 
 
-def test_launch_rule_changes_make_new_plans(monkeypatch):
-    """test_other_launch_configs changes the launch-rule constants and expects new tiles: the
-    plan key must include them. Count launch_config calls: every constant change plans anew
-    (and a repeated call does not), and the new tile shapes still give the right result."""
-    monkeypatch.setattr(triton_rotary_launch, "_PLANS", {})          # no plans from other tests
-    calls = []
-    original = triton_rotary_launch.launch_config
-
-    def counting(*args, **kwargs):
-        grid, meta = original(*args, **kwargs)
-        calls.append((grid, dict(meta)))
-        return grid, meta
-
-    monkeypatch.setattr(triton_rotary_launch, "launch_config", counting)
+def test_launch_rule_changes_make_new_plans():
+    """test_other_launch_configs plans calls under other launch rules and expects new tiles:
+    the plan key must hold the rule. Every change of a rule field plans anew (and a repeated
+    call does not), the new tile shapes still give the right result, and leaving
+    use_launch_rule plans with the rule in force again."""
+    L = triton_rotary_launch
     freqs = RotaryPositionEmbedding(16, device=DEVICE)(4)
     t = torch.randn(4, 2, 2, 24, device=DEVICE)
     expected = apply_rotary_pos_emb(t, freqs, fused=False)
 
-    def call():
-        torch.testing.assert_close(apply_rotary_pos_emb(t, freqs), expected)
+    def plans_after_two_calls():
+        for _ in range(2):
+            torch.testing.assert_close(apply_rotary_pos_emb(t, freqs), expected)
+        return {key: plan for key, plan in L._PLANS.items() if plan.launch is not None}
 
-    call()
-    call()
-    assert len(calls) == 1
-    changes = ([("INTERPRETER_TILE_BYTES", 512), ("INTERPRETER_TILE_BYTES", 256),
-                ("INTERPRETER_MIN_PROGRAMS", 1000)] if not ON_GPU else
-               [("TILE_BYTES", 128), ("TILE_BYTES", 64), ("MIN_PROGRAMS_PER_SM", 1000)])
-    changes += [("SEARCH_TILE_BYTES", 512), ("QKV_TILE_BYTES", 512)]
-    changes += [("NUM_WARPS", 1), ("TILE_BYTES" if not ON_GPU else "INTERPRETER_TILE_BYTES", 64),
-                ("MIN_PROGRAMS_PER_SM" if not ON_GPU else "INTERPRETER_MIN_PROGRAMS", 7)]
-    for number, (name, value) in enumerate(changes, start=2):
-        monkeypatch.setattr(triton_rotary_launch, name, value)
-        call()
-        call()
-        assert len(calls) == number, (name, value)
+    L._PLANS.clear()
+    first = plans_after_two_calls()
+    assert len(first) == 1
+    rule = L.launch_rule()
+    changes = [("tile_bytes", 512), ("tile_bytes", 256), ("min_programs_per_sm", 1000),
+               ("search_tile_bytes", 512), ("qkv_tile_bytes", 512), ("num_warps", 1)]
+    cfg = next(iter(first.values())).launch.cfg
+    tiles = {(cfg.BLOCK_T, cfg.BLOCK_H)}
+    for number, (field, value) in enumerate(changes, start=2):
+        rule = rule._replace(**{field: value})
+        with L.use_launch_rule(rule):
+            plans = plans_after_two_calls()
+        assert len(plans) == number, (field, value, len(plans))
+        new_plan = [p for key, p in plans.items() if key not in first][0]
+        first = plans
+        tiles.add((new_plan.launch.cfg.BLOCK_T, new_plan.launch.cfg.BLOCK_H))
+        if field == "num_warps":
+            assert new_plan.launch.num_warps == 1
+    # Back outside: the plan of the rule in force serves the call again, no new one.
+    assert len(plans_after_two_calls()) == len(changes) + 1
     if not ON_GPU:
-        # The interpreter's constants changed the tiles themselves, not only the key (on a GPU
-        # a shape this small is shrunk to one-token tiles by the SM count already).
-        first_tiles = {(c[0], c[1]["BLOCK_T"], c[1]["BLOCK_H"]) for c in calls[:4]}
-        assert len(first_tiles) == 4, calls[:4]
+        # The first three rules changed the tiles themselves, not only the key (on a GPU a
+        # shape this small is shrunk to one-token tiles by the SM count already).
+        assert len(tiles) >= 4, tiles
 
 
 # =================================================================================================

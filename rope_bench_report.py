@@ -154,8 +154,9 @@ def device_code_stamp(kernel_file=KERNEL_FILE, launch_file=LAUNCH_FILE):
     (b) that module's tl.constexpr globals, name and value (the kernels read them as
         compile-time constants);
     (c) the launch rule: the code of `launch_config` in `launch_file` (by default
-        triton_rotary_launch.py) and the values of the module constants it reads, with those
-        its callers pass it as tile sizes (`_launch_rule` lists them for the plan cache's key).
+        triton_rotary_launch.py), the values of the plain module constants it reads, and the
+        module's LaunchRule values (GPU_RULE, INTERPRETER_RULE: the tile sizes and warps it is
+        given).
 
     The values are those of a GPU process: both modules are loaded afresh with the interpreter
     off, so the stamp computed here (TRITON_INTERPRET=1, where _HARDWARE_SINCOS is false) is
@@ -272,13 +273,14 @@ def _code_names(fn):
 
 
 def _launch_constants(module):
-    """(name, value) of the plain module constants launch_config reads, and of those
-    `_launch_rule` lists (the tile sizes callers pass to launch_config)."""
-    readers = [module.launch_config] + ([module._launch_rule] if hasattr(module, "_launch_rule") else [])
-    names = set().union(*(_code_names(f) for f in readers))
+    """(name, value) of the plain module constants launch_config reads, and of the module's
+    LaunchRule values (the constants of the launch rule, as launch_config takes them)."""
+    names = _code_names(module.launch_config)
     plain = (bool, int, float, str)
-    return [(n, getattr(module, n)) for n in sorted(names)
-            if isinstance(getattr(module, n, None), plain)]
+    rule_type = getattr(module, "LaunchRule", None)
+    return [(n, getattr(module, n)) for n in sorted(set(names) | set(vars(module)))
+            if (n in names and isinstance(getattr(module, n, None), plain))
+            or (rule_type is not None and isinstance(getattr(module, n, None), rule_type))]
 
 
 def restamp(gpu_dirs, old_kernel_hash, new_stamp, note):

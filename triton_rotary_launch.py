@@ -6,6 +6,7 @@ functions and custom ops call: one plan lookup (or, on a miss, the checks and a 
 one kernel launch.
 """
 
+import contextlib
 import functools
 import os
 import warnings
@@ -59,14 +60,47 @@ INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
 
 
+class LaunchRule(NamedTuple):
+    """The launch rule's constants (above), as `launch_config` takes them."""
+    tile_bytes: int
+    num_warps: int
+    min_programs_per_sm: int    # the interpreter counts as one SM
+    search_tile_bytes: int
+    qkv_tile_bytes: int
+
+
+GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES)
+INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
+                              INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES)
+_RULE_OVERRIDE = [None]
+
+
 def _interpreting() -> bool:
     return _INTERPRETING
 
 
+def launch_rule() -> LaunchRule:
+    """The rule calls are planned with: GPU_RULE, INTERPRETER_RULE under the interpreter, or
+    the one `use_launch_rule` set."""
+    if _RULE_OVERRIDE[0] is not None:
+        return _RULE_OVERRIDE[0]
+    return INTERPRETER_RULE if _interpreting() else GPU_RULE
+
+
+@contextlib.contextmanager
+def use_launch_rule(rule: LaunchRule):
+    """Plan the calls made inside with `rule` (the tests' way to try other tiles). Plans are
+    keyed by the rule, so none made inside serves a call outside."""
+    previous, _RULE_OVERRIDE[0] = _RULE_OVERRIDE[0], rule
+    try:
+        yield
+    finally:
+        _RULE_OVERRIDE[0] = previous
+
+
 def _launch_rule():
-    """The constants `launch_config` reads; part of every plan's key."""
-    return (TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
-            INTERPRETER_TILE_BYTES, INTERPRETER_MIN_PROGRAMS, _interpreting())
+    """What launch_config's result depends on besides the call; part of every plan's key."""
+    return launch_rule(), _interpreting()
 
 
 class RopeShape(NamedTuple):
@@ -341,22 +375,20 @@ def _num_sms(device_index: int) -> int:
 
 
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
-                  tile_bytes=None):
+                  tile_bytes: int, rule: LaunchRule):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
     autotuning). Large inputs get one tile shape whatever their length; only inputs too small
-    to give every SM MIN_PROGRAMS_PER_SM programs get smaller tiles (a bounded set of compiled
-    variants). `tile_bytes`: the data a tile holds (TILE_BYTES unless given)."""
+    to give every SM rule.min_programs_per_sm programs get smaller tiles (a bounded set of
+    compiled variants). `tile_bytes`: the data a tile holds (one of the rule's)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
     row_bytes = (shape.rotary_dim + pass_dims) * element_size   # one (token, head) of a tile
     if _interpreting():
-        tile_bytes = INTERPRETER_TILE_BYTES
-        min_programs = INTERPRETER_MIN_PROGRAMS
+        sms = 1
     else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        tile_bytes = TILE_BYTES if tile_bytes is None else tile_bytes
-        min_programs = MIN_PROGRAMS_PER_SM * _num_sms(index)
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    min_programs = rule.min_programs_per_sm * sms
     rows = triton.next_power_of_2(triton.cdiv(tile_bytes, row_bytes))
     block_h = min(triton.next_power_of_2(shape.nheads), rows)
     block_t = min(triton.next_power_of_2(shape.num_tokens), max(1, rows // block_h))
@@ -370,7 +402,7 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
         block_h //= 2
     grid = (triton.cdiv(shape.num_tokens, block_t), triton.cdiv(shape.nheads, block_h))
     meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-                num_warps=NUM_WARPS)
+                num_warps=rule.num_warps)
     return grid, meta
 
 
@@ -630,9 +662,11 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     widest = max((shape.nheads - 1) * abs(s_h) + (shape.head_dim - 1) * abs(s_d)
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
+    rule = launch_rule()
     grid, meta = launch_config(shape, t.device, copy_pass=not in_place,
                                element_size=t.element_size(),
-                               tile_bytes=SEARCH_TILE_BYTES if is_thd and positions is None else None)
+                               tile_bytes=rule.search_tile_bytes if is_thd and positions is None
+                               else rule.tile_bytes, rule=rule)
     grid, flat_grid = _program_grid(*grid)
     cfg = Variant(BLOCK_T=meta["BLOCK_T"], BLOCK_H=meta["BLOCK_H"], BLOCK_HALF=meta["BLOCK_HALF"],
                   BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved, BACKWARD=backward,
@@ -784,9 +818,10 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     widest = max(sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:])) for x in views)
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
+    rule = launch_rule()
     grid, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
                                copy_pass=True, element_size=qkv.element_size(),
-                               tile_bytes=QKV_TILE_BYTES)
+                               tile_bytes=rule.qkv_tile_bytes, rule=rule)
     row = 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"]
     block_v = triton.next_power_of_2(v_dim)
     block_kv = min(meta["BLOCK_H"], triton.next_power_of_2(kv_heads))
