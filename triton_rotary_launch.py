@@ -550,8 +550,7 @@ class _RopePlan(NamedTuple):
     launch: object
     x_strides: tuple = ()
     out_strides: tuple = ()
-    table_strides: tuple = ()
-    table_rows: int = 0
+    table: tuple = ()            # (strides, rows) of the table (`_table_layout`)
     position_strides: tuple = ()
     shape: HeadShape = None
     tokens: Tokens = None
@@ -562,7 +561,7 @@ class _QKVPlan(NamedTuple):
     launch: object
     split: tuple
     view_strides: tuple = ()     # of q, k and v's source and destination views, in that order
-    q_table: tuple = ()          # (strides, rows) of q's table
+    q_table: tuple = ()          # (strides, rows) of q's table (`_table_layout`)
     k_table: tuple = ()
     position_strides: tuple = ()
     shape: QKVShape = None
@@ -623,6 +622,12 @@ def _table_layout(source):
     return (source.angles.stride(0), source.angles.stride(3)), source.angles.shape[0]
 
 
+def _angles(source, table):
+    """The kernel's Angles argument for an AngleSource and its plan's `_table_layout`."""
+    strides, rows = table
+    return Angles(source.angles, strides, rows, source.pair_axis, source.n_axes, source.scale)
+
+
 def _as_source(freqs, name):
     """A table or module as an AngleSource; anything else, an AngleSource included, is left
     for the plan's checks (everything `_check_source` reads is part of the plan's key)."""
@@ -674,11 +679,10 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
                   POSITIONS_FROM=_positions_mode(source, positions), FLAT_GRID=flat_grid,
                   IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0)
-    table_strides, table_rows = _table_layout(source)
     return _RopePlan(
         _Launch(rotary_kernel, grid, cfg, meta["num_warps"]),
         x_strides=x_strides, out_strides=out_strides,
-        table_strides=table_strides, table_rows=table_rows,
+        table=_table_layout(source),
         position_strides=_position_strides(positions, source, tensor_format),
         shape=HeadShape(shape.nheads, shape.head_dim, shape.rotary_dim),
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank))
@@ -728,8 +732,7 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         plan.launch(
             View(t, plan.x_strides),                                            # x
             View(out, plan.out_strides),                                        # out
-            Angles(source.angles, plan.table_strides, plan.table_rows,          # angles
-                   source.pair_axis, source.n_axes, source.scale),
+            _angles(source, plan.table),                                        # angles
             Positions(positions, plan.position_strides, start_positions, cu_seqlens),
             plan.shape,                                                         # HeadShape
             tokens.num_tokens, tokens.seq_len, tokens.batch, tokens.cp_size, tokens.cp_rank)
@@ -874,15 +877,12 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
         q_source, k_source = sources
         q_src, q_dst, k_src, k_dst, v_src, v_dst = _qkv_views(qkv, plan.split, grads, result)
         strides, tokens = plan.view_strides, plan.tokens
-        (q_table_strides, q_rows), (k_table_strides, k_rows) = plan.q_table, plan.k_table
         plan.launch(
             InOut(View(q_src, strides[0]), View(q_dst, strides[1])),            # q
             InOut(View(k_src, strides[2]), View(k_dst, strides[3])),            # k
             InOut(View(v_src, strides[4]), View(v_dst, strides[5])),            # v
-            Angles(q_source.angles, q_table_strides, q_rows,                    # q_angles
-                   q_source.pair_axis, q_source.n_axes, q_source.scale),
-            Angles(k_source.angles, k_table_strides, k_rows,                    # k_angles
-                   k_source.pair_axis, k_source.n_axes, k_source.scale),
+            _angles(q_source, plan.q_table),                                    # q_angles
+            _angles(k_source, plan.k_table),                                    # k_angles
             Positions(positions, plan.position_strides, start_positions, None),
             plan.shape,                                                         # QKVShape
             tokens.num_tokens, tokens.seq_len, tokens.batch, tokens.cp_size, tokens.cp_rank)
