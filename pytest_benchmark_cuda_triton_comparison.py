@@ -1977,7 +1977,7 @@ def test_torch_compile_fused_qkv_and_inplace():
 
 
 def _opcheck_cases():
-    """(op, args) for each custom op, with the argument lists _rope_launch / _qkv_launch use."""
+    """(op, args) for each custom op, with the argument lists `_compiled_or_eager` passes them."""
     freqs = RotaryPositionEmbedding(8, device=DEVICE)(4)[:, :, :, :].float()
     module = RotaryPositionEmbedding(8, device=DEVICE)
     t = torch.randn(4, 2, 2, 10, device=DEVICE)

@@ -498,6 +498,13 @@ class _Launch:
     """One planned launch of a Triton kernel: its grid and compile-time choices (`cfg`, a
     Variant) fixed; called with the kernel's runtime arguments.
 
+    The arguments come as plain tuples, grouped and ordered as the kernel's parameters;
+    `groups` gives the NamedTuple type of each tuple parameter, in order. Triton's JIT gets
+    them as those NamedTuples (the kernel reads their fields by name); the compiled kernel's
+    C launcher gets the plain tuples, which it parses several times faster: CPython reads a
+    tuple subclass's items one by one through `__getitem__` (about 0.1 µs per group, per
+    call, on the GPU hosts' CPUs).
+
     The first call per device and pointer alignment (which Triton specializes on) goes
     through Triton's JIT, which compiles or finds the kernel; later calls hand the arguments
     to the compiled kernel's launcher (`_compiled_runner`), skipping the JIT's per-call binding
@@ -505,16 +512,23 @@ class _Launch:
     on the GPU. `runners` holds the launchers (tests check that it fills).
     """
 
-    def __init__(self, kernel, grid, cfg, num_warps):
-        self.kernel, self.grid, self.cfg, self.num_warps = kernel, grid, cfg, num_warps
+    def __init__(self, kernel, groups, grid, cfg, num_warps):
+        self.kernel, self.groups, self.grid, self.num_warps = kernel, groups, grid, num_warps
+        self.cfg, self.plain_cfg = cfg, tuple(cfg)
         self.runners = {}
         self.tensor_paths = None
+
+    def jit(self, *args):
+        """Launch through Triton's JIT; returns the compiled kernel."""
+        named = [_as_group(arg, group) for arg, group in zip(args, self.groups)]
+        return self.kernel[self.grid](*named, *args[len(self.groups):], self.cfg,
+                                      num_warps=self.num_warps)
 
     def __call__(self, *args):
         # How to launch follows the real environment (tests vary the launch rule alone,
         # through _interpreting()).
         if _INTERPRETING or not DIRECT_LAUNCH:
-            self.kernel[self.grid](*args, self.cfg, num_warps=self.num_warps)
+            self.jit(*args)
             return
         if self.tensor_paths is None:   # where the tensors sit: fixed by the plan's key
             self.tensor_paths = _tensor_paths(args)
@@ -527,12 +541,22 @@ class _Launch:
         key = tuple(key)
         runner = self.runners.get(key)
         if runner is not None:
-            runner(*args, self.cfg)
+            runner(*args, self.plain_cfg)
             return
-        kernel = self.kernel[self.grid](*args, self.cfg, num_warps=self.num_warps)
-        runner = _compiled_runner(kernel, self.grid)
+        runner = _compiled_runner(self.jit(*args), self.grid)
         if runner is not None:
             self.runners[key] = runner
+
+
+def _as_group(value, group):
+    """The plain tuple `value` as the NamedTuple `group`, and so its fields that are groups
+    themselves (by the fields' annotations: InOut holds two Views)."""
+    return group(*[_as_group(v, kind) if _is_group(kind) else v
+                   for v, kind in zip(value, group.__annotations__.values())])
+
+
+def _is_group(kind):
+    return isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields")
 
 
 def _tensor_paths(value, path=()):
@@ -552,7 +576,7 @@ class _RopePlan(NamedTuple):
     out_strides: tuple = ()
     table: tuple = ()            # (strides, rows) of the table (`_table_layout`)
     position_strides: tuple = ()
-    shape: HeadShape = None
+    shape: tuple = ()            # HeadShape's fields
     tokens: Tokens = None
 
 
@@ -564,7 +588,7 @@ class _QKVPlan(NamedTuple):
     q_table: tuple = ()          # (strides, rows) of q's table (`_table_layout`)
     k_table: tuple = ()
     position_strides: tuple = ()
-    shape: QKVShape = None
+    shape: tuple = ()            # QKVShape's fields
     tokens: Tokens = None
 
 
@@ -623,9 +647,10 @@ def _table_layout(source):
 
 
 def _angles(source, table):
-    """The kernel's Angles argument for an AngleSource and its plan's `_table_layout`."""
+    """The fields of the kernel's Angles group for an AngleSource and its plan's
+    `_table_layout`."""
     strides, rows = table
-    return Angles(source.angles, strides, rows, source.pair_axis, source.n_axes, source.scale)
+    return source.angles, strides, rows, source.pair_axis, source.n_axes, source.scale
 
 
 def _as_source(freqs, name):
@@ -668,23 +693,23 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     rule = launch_rule()
-    grid, meta = launch_config(shape, t.device, copy_pass=not in_place,
-                               element_size=t.element_size(),
-                               tile_bytes=rule.search_tile_bytes if is_thd and positions is None
-                               else rule.tile_bytes, rule=rule)
+    grid, tile = launch_config(
+        shape, t.device, copy_pass=not in_place, element_size=t.element_size(),
+        tile_bytes=rule.search_tile_bytes if is_thd and positions is None else rule.tile_bytes,
+        rule=rule)
+    num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
     grid, flat_grid = _program_grid(*grid)
-    cfg = Variant(BLOCK_T=meta["BLOCK_T"], BLOCK_H=meta["BLOCK_H"], BLOCK_HALF=meta["BLOCK_HALF"],
-                  BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved, BACKWARD=backward,
+    cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=backward,
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
                   WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
                   POSITIONS_FROM=_positions_mode(source, positions), FLAT_GRID=flat_grid,
                   IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0)
     return _RopePlan(
-        _Launch(rotary_kernel, grid, cfg, meta["num_warps"]),
+        _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape), grid, cfg, num_warps),
         x_strides=x_strides, out_strides=out_strides,
         table=_table_layout(source),
         position_strides=_position_strides(positions, source, tensor_format),
-        shape=HeadShape(shape.nheads, shape.head_dim, shape.rotary_dim),
+        shape=(shape.nheads, shape.head_dim, shape.rotary_dim),
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank))
 
 
@@ -728,14 +753,14 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     if out is None:
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
     if plan.launch is not None:
-        tokens = plan.tokens
+        # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(
-            View(t, plan.x_strides),                                            # x
-            View(out, plan.out_strides),                                        # out
-            _angles(source, plan.table),                                        # angles
-            Positions(positions, plan.position_strides, start_positions, cu_seqlens),
+            (t, plan.x_strides),                                                # x: View
+            (out, plan.out_strides),                                            # out: View
+            _angles(source, plan.table),                                        # Angles
+            (positions, plan.position_strides, start_positions, cu_seqlens),    # Positions
             plan.shape,                                                         # HeadShape
-            tokens.num_tokens, tokens.seq_len, tokens.batch, tokens.cp_size, tokens.cp_rank)
+            *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
     return out
 
 
@@ -822,31 +847,33 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
     rule = launch_rule()
-    grid, meta = launch_config(shape._replace(nheads=kv_heads * q_per_kv), qkv.device,
-                               copy_pass=True, element_size=qkv.element_size(),
-                               tile_bytes=rule.qkv_tile_bytes, rule=rule)
-    row = 2 * meta["BLOCK_HALF"] + meta["BLOCK_PASS"]
+    grid, tile = launch_config(
+        shape._replace(nheads=kv_heads * q_per_kv), qkv.device, copy_pass=True,
+        element_size=qkv.element_size(), tile_bytes=rule.qkv_tile_bytes, rule=rule)
+    num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
+    row = 2 * tile["BLOCK_HALF"] + tile["BLOCK_PASS"]
     block_v = triton.next_power_of_2(v_dim)
-    block_kv = min(meta["BLOCK_H"], triton.next_power_of_2(kv_heads))
-    while block_kv > 1 and block_kv * (row + block_v) > meta["BLOCK_H"] * row:
+    block_kv = min(tile["BLOCK_H"], triton.next_power_of_2(kv_heads))
+    while block_kv > 1 and block_kv * (row + block_v) > tile["BLOCK_H"] * row:
         block_kv //= 2
-    q_programs = triton.cdiv(kv_heads * q_per_kv, meta["BLOCK_H"])
+    q_programs = triton.cdiv(kv_heads * q_per_kv, tile["BLOCK_H"])
     k_programs = triton.cdiv(kv_heads, block_kv)
     grid, flat_grid = _program_grid(grid[0], q_programs + k_programs, "qkv")
-    cfg = Variant(BLOCK_T=meta["BLOCK_T"], BLOCK_H=meta["BLOCK_H"], BLOCK_HALF=meta["BLOCK_HALF"],
-                  BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved,
-                  BACKWARD=grads is not None, SEQ_MAJOR=tensor_format == "sbhd",
+    cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=grads is not None,
+                  SEQ_MAJOR=tensor_format == "sbhd",
                   HAS_START=start_positions is not None, WIDE_INNER=widest > _INT32_MAX,
                   ANGLES_FROM_POSITIONS=q_source.from_positions,
                   POSITIONS_FROM=_positions_mode(q_source, positions), FLAT_GRID=flat_grid,
                   BLOCK_KV=block_kv, BLOCK_V=block_v)
     return _QKVPlan(
-        _Launch(rotary_qkv_kernel, grid, cfg, meta["num_warps"]), split,
+        _Launch(rotary_qkv_kernel, (InOut, InOut, InOut, Angles, Angles, Positions, QKVShape),
+                grid, cfg, num_warps),
+        split,
         # (seq, batch, then the remaining dims) strides of each view
         view_strides=tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:]) for x in views),
         q_table=_table_layout(q_source), k_table=_table_layout(k_source),
         position_strides=_position_strides(positions, q_source, tensor_format),
-        shape=QKVShape(kv_heads, q_per_kv, k_dim, shape.rotary_dim, v_dim, q_programs),
+        shape=(kv_heads, q_per_kv, k_dim, shape.rotary_dim, v_dim, q_programs),  # QKVShape
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank))
 
 
@@ -876,14 +903,15 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
     if plan.launch is not None:
         q_source, k_source = sources
         q_src, q_dst, k_src, k_dst, v_src, v_dst = _qkv_views(qkv, plan.split, grads, result)
-        strides, tokens = plan.view_strides, plan.tokens
+        strides = plan.view_strides
+        # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(
-            InOut(View(q_src, strides[0]), View(q_dst, strides[1])),            # q
-            InOut(View(k_src, strides[2]), View(k_dst, strides[3])),            # k
-            InOut(View(v_src, strides[4]), View(v_dst, strides[5])),            # v
-            _angles(q_source, plan.q_table),                                    # q_angles
-            _angles(k_source, plan.k_table),                                    # k_angles
-            Positions(positions, plan.position_strides, start_positions, None),
+            ((q_src, strides[0]), (q_dst, strides[1])),                         # q: InOut
+            ((k_src, strides[2]), (k_dst, strides[3])),                         # k: InOut
+            ((v_src, strides[4]), (v_dst, strides[5])),                         # v: InOut
+            _angles(q_source, plan.q_table),                                    # q: Angles
+            _angles(k_source, plan.k_table),                                    # k: Angles
+            (positions, plan.position_strides, start_positions, None),          # Positions
             plan.shape,                                                         # QKVShape
-            tokens.num_tokens, tokens.seq_len, tokens.batch, tokens.cp_size, tokens.cp_rank)
+            *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
     return result

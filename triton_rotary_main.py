@@ -397,12 +397,15 @@ def _save_rope_call(ctx, call):
     ctx.call = call
 
 
-def _saved_rope_call(ctx):
+def _backward_rope_call(ctx):
+    """The backward's call: the forward's, with its tensors from saved_tensors and the
+    rotation transposed."""
     angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
-    call = ctx.call
-    return call._replace(source=call.source._replace(angles=angles, pair_axis=pair_axis),
-                         start_positions=start_positions, cu_seqlens=cu_seqlens,
-                         positions=positions)
+    call, source = ctx.call, ctx.call.source
+    return RopeCall(AngleSource(angles, source.from_positions, pair_axis, source.n_axes,
+                                source.scale, source.interleaved),
+                    call.tensor_format, start_positions, call.interleaved, cu_seqlens,
+                    call.cp_size, call.cp_rank, positions, not call.transpose)
 
 
 class RopeForwardAndBackward(torch.autograd.Function):
@@ -415,14 +418,15 @@ class RopeForwardAndBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, call):
         _save_rope_call(ctx, call)
-        return _rope_launch(t, call, call.transpose)
+        return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, call.transpose)
 
     @staticmethod
     def backward(ctx, grad_out):
-        call = _saved_rope_call(ctx)
+        call = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
-            return RopeForwardAndBackward.apply(grad_out, call._replace(transpose=not call.transpose)), None
-        return _rope_launch(grad_out, call, not call.transpose), None
+            return RopeForwardAndBackward.apply(grad_out, call), None
+        return _compiled_or_eager(_rope_op, _rope_eager, (grad_out,), call, _rope_op_args,
+                                  call.transpose), None
 
 
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
@@ -505,11 +509,6 @@ def _compiled_or_eager(op, eager, tensors, call, op_args, *extra):
             check_layout(source, call.interleaved)
         return op(*tensors, *op_args(call), *extra)
     return eager(*tensors, call, *extra)
-
-
-def _rope_launch(t, call: RopeCall, transpose: bool):
-    """`call` on t, its rotation transposed if `transpose` (the backward)."""
-    return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, transpose)
 
 
 def token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
@@ -704,11 +703,15 @@ def _save_qkv_call(ctx, call):
 
 
 def _saved_qkv_call(ctx):
+    """The forward's call, with its tensors from saved_tensors."""
     q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
-    call = ctx.call
-    return call._replace(q_source=call.q_source._replace(angles=q_angles, pair_axis=q_pair_axis),
-                         k_source=call.k_source._replace(angles=k_angles, pair_axis=k_pair_axis),
-                         start_positions=start_positions, positions=positions)
+    call, q, k = ctx.call, ctx.call.q_source, ctx.call.k_source
+    return QKVCall(AngleSource(q_angles, q.from_positions, q_pair_axis, q.n_axes, q.scale,
+                               q.interleaved),
+                   AngleSource(k_angles, k.from_positions, k_pair_axis, k.n_axes, k.scale,
+                               k.interleaved),
+                   call.split, call.tensor_format, start_positions, call.interleaved,
+                   call.cp_size, call.cp_rank, positions)
 
 
 class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
@@ -719,14 +722,15 @@ class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, call):
         _save_qkv_call(ctx, call)
-        return _qkv_launch(qkv, call)
+        return _compiled_or_eager(_qkv_op, _qkv_eager, (qkv,), call, _qkv_op_args)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         call = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return _FusedQKVRopeTranspose.apply(dq, dk, dv, call), None
-        return _qkv_backward_launch(dq, dk, dv, call), None
+        return _compiled_or_eager(_qkv_backward_op, _qkv_backward_eager, (dq, dk, dv), call,
+                                  _qkv_op_args), None
 
 
 class _FusedQKVRopeTranspose(torch.autograd.Function):
@@ -735,14 +739,15 @@ class _FusedQKVRopeTranspose(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dq, dk, dv, call):
         _save_qkv_call(ctx, call)
-        return _qkv_backward_launch(dq, dk, dv, call)
+        return _compiled_or_eager(_qkv_backward_op, _qkv_backward_eager, (dq, dk, dv), call,
+                                  _qkv_op_args)
 
     @staticmethod
     def backward(ctx, grad_dqkv):
         call = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():
             return (*FusedQKVRopeForwardAndBackward.apply(grad_dqkv, call), None)
-        return (*_qkv_launch(grad_dqkv, call), None)
+        return (*_compiled_or_eager(_qkv_op, _qkv_eager, (grad_dqkv,), call, _qkv_op_args), None)
 
 
 _QKV_CALL_SCHEMA = ("Tensor q_angles, Tensor? q_pair_axis, Tensor k_angles, Tensor? k_pair_axis, "
@@ -810,14 +815,6 @@ def _qkv_backward_op(dq, dk, dv, *args):
 def _(dq, dk, dv, *args):
     call = _qkv_call(*args)
     return dq.new_empty((*dq.shape[:2], dk.shape[2], sum(call.split)))
-
-
-def _qkv_launch(qkv, call):
-    return _compiled_or_eager(_qkv_op, _qkv_eager, (qkv,), call, _qkv_op_args)
-
-
-def _qkv_backward_launch(dq, dk, dv, call):
-    return _compiled_or_eager(_qkv_backward_op, _qkv_backward_eager, (dq, dk, dv), call, _qkv_op_args)
 
 
 def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
