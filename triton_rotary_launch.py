@@ -607,7 +607,7 @@ def _metadata_key(tensors, values):
         meta = [None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in tensors]
     except (AttributeError, TypeError):
         return None
-    return (*meta, values, tuple([type(v) for v in values]), _launch_rule())
+    return (*meta, values, tuple(map(type, values)), _launch_rule())
 
 
 def _typed(seq):
@@ -656,6 +656,8 @@ def _angles(source, table):
 def _as_source(freqs, name):
     """A table or module as an AngleSource; anything else, an AngleSource included, is left
     for the plan's checks (everything `_check_source` reads is part of the plan's key)."""
+    if isinstance(freqs, AngleSource):     # what the autograd functions pass
+        return freqs
     if isinstance(freqs, torch.Tensor) or hasattr(freqs, "inv_freq"):
         return angle_source(freqs, name)
     return freqs
