@@ -328,6 +328,9 @@ GRADCHECK_CASES = [
     dict(tensor_format="sbhd", cp_size=2, cp_rank=1),
     dict(tensor_format="thd", cu_seqlens=[0, 3, 4, 8]),
     dict(tensor_format="thd", cu_seqlens=[0, 4, 8], cp_size=2, cp_rank=1, interleaved=True),
+    # The rotation by the negated angles, whose backward swaps the sines without negating them.
+    dict(tensor_format="sbhd", inverse=True),
+    dict(tensor_format="thd", cu_seqlens=[0, 3, 4, 8], interleaved=True, inverse=True),
 ]
 
 
@@ -1550,6 +1553,62 @@ def test_unfused_thd_pass_through_gradient():
     assert torch.equal(dt[2:], grad[2:])
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def test_inverse_rotates_by_the_negated_angles(tensor_format, interleaved):
+    """inverse=True against the rotation by e^{-i theta} computed from its definition in
+    float64 (angles from positions, and TE's table of the same angles), and against the
+    forward rotation with the table negated (any table: its pair members need not agree)."""
+    torch.manual_seed(41)
+    s, b, h, d, d2 = 6, 2, 3, 20, 12
+    shape = {"sbhd": (s, b, h, d), "bshd": (b, s, h, d), "thd": (s, h, d)}[tensor_format]
+    t = torch.randn(shape, dtype=torch.float64, device=DEVICE)
+    module = RotaryPositionEmbedding(d2, interleaved=interleaved, device=DEVICE)
+    kwargs = dict(tensor_format=tensor_format, interleaved=interleaved)
+    if tensor_format == "thd":
+        kwargs["cu_seqlens"] = int_tensor([0, 2, 6])
+        pair_pos = torch.tensor([0, 1, 0, 1, 2, 3])[:, None].expand(s, d2 // 2)
+    else:
+        pos = torch.arange(s)[:, None] if tensor_format == "sbhd" else torch.arange(s)[None, :]
+        pair_pos = pos.expand(shape[:2])[..., None].expand(*shape[:2], d2 // 2)
+    expected = rotate64(t, pair_pos, module.inv_freq, interleaved, transpose=True)
+    for freqs in (module, module(s)):
+        out = apply_rotary_pos_emb(t, freqs, inverse=True, **kwargs)
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-6, rtol=1e-6)
+    table = torch.randn(s, 1, 1, d2, device=DEVICE) * 3
+    torch.testing.assert_close(apply_rotary_pos_emb(t, table, inverse=True, **kwargs),
+                               apply_rotary_pos_emb(t, -table, fused=False, **kwargs),
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_inverse_undoes_the_rotation():
+    """The inverse of the forward gives the input back (float64), through
+    apply_rotary_pos_emb, the in-place path and fused QKV, for angles from positions and for
+    TE's table; its gradient is the forward rotation."""
+    torch.manual_seed(42)
+    t = torch.randn(7, 2, 4, 16, dtype=torch.float64, device=DEVICE)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    for freqs in (module, module(7)):
+        rotated = apply_rotary_pos_emb(t, freqs)
+        torch.testing.assert_close(apply_rotary_pos_emb(rotated, freqs, inverse=True), t,
+                                   atol=1e-12, rtol=1e-12)
+        in_place = rotated.clone()
+        with torch.no_grad():
+            apply_rotary_pos_emb_inplace(in_place, freqs, inverse=True)
+        torch.testing.assert_close(in_place, t, atol=1e-12, rtol=1e-12)
+        x = t.clone().requires_grad_(True)
+        grad = torch.randn_like(t)
+        (dx,) = torch.autograd.grad(apply_rotary_pos_emb(x, freqs, inverse=True), x, grad)
+        torch.testing.assert_close(dx, apply_rotary_pos_emb(grad, freqs), atol=1e-12, rtol=1e-12)
+    split = [32, 16, 8]
+    qkv = torch.randn(7, 2, 2, sum(split), dtype=torch.float64, device=DEVICE)
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, module, module, split)
+    packed = torch.cat((q.unflatten(2, (2, 2)).flatten(3), k, v), dim=-1)
+    for got, want in zip(apply_fused_qkv_rotary_pos_emb(packed, module, module, split, inverse=True),
+                         torch.split(qkv, split, dim=-1)):
+        torch.testing.assert_close(got, want.reshape(got.shape), atol=1e-12, rtol=1e-12)
+
+
 # =================================================================================================
 # == 6. Errors
 #    Bad input raises a ValueError or TypeError naming the argument.
@@ -1635,6 +1694,7 @@ BAD_INPUTS = [
     ("t rank vs format", lambda a: a.update(t=a["t"][0]), ValueError, "t must be 4-D"),
     ("thd rank", lambda a: a.update(tensor_format="thd", cu_seqlens=int_tensor([0, 4])), ValueError, "t must be 3-D"),
     ("unknown format", lambda a: a.update(tensor_format="sbdh"), ValueError, "tensor_format must be one of"),
+    ("inverse not a bool", lambda a: a.update(inverse=1), TypeError, "inverse must be a bool, got int"),
     ("freqs not a tensor", lambda a: a.update(freqs=1.0), TypeError, "freqs must be a torch.Tensor"),
     ("freqs integer", lambda a: a.update(freqs=a["freqs"].int()), TypeError, "freqs must be a floating-point"),
     ("freqs 2-D", lambda a: a.update(freqs=a["freqs"][:, 0, 0]), ValueError, "freqs must have shape [s2, 1, 1, d2]"),
@@ -1708,6 +1768,7 @@ _QKV_BAD = [  # (how to break the valid call, error, text naming the argument)
     (lambda a: a.update(positions=int_tensor([0, 1, 2])), ValueError, "positions must have shape"),
     (lambda a: a.update(q_freqs=RotaryPositionEmbedding(8, device=DEVICE)), TypeError,
      "q_freqs and k_freqs must be of one kind"),
+    (lambda a: a.update(inverse="yes"), TypeError, "inverse must be a bool, got str"),
 ]
 
 
@@ -1987,25 +2048,28 @@ def _opcheck_cases():
     qkv = torch.randn(4, 2, 1, 30, device=DEVICE)
     grads = (torch.randn(4, 2, 1, 10, device=DEVICE),) * 2 + (torch.randn(4, 2, 1, 10, device=DEVICE),)
     return [
-        ("rope table", ops.rope.default, (t, *table, "sbhd", None, False, None, 1, 0, None, False)),
+        ("rope table", ops.rope.default, (t, *table, "sbhd", None, False, None, 1, 0, None, False, False)),
         ("rope module backward", ops.rope.default,
-         (t, *angles, "bshd", None, False, None, 1, 0, int_tensor([[3, 1], [0, 2], [1, 1], [5, 0]]), True)),
-        ("rope thd", ops.rope.default,
-         (t[:, 0], *table, "thd", None, True, int_tensor([0, 1, 4]), 1, 0, None, False)),
-        ("rope_ table", ops.rope_.default, (t.clone(), *table, "sbhd", int_tensor([0, 0]), False, None, 1, 0, None)),
-        ("rope_ module", ops.rope_.default, (t.clone(), *angles, "sbhd", None, False, None, 2, 1, None)),
+         (t, *angles, "bshd", None, False, None, 1, 0, int_tensor([[3, 1], [0, 2], [1, 1], [5, 0]]), False, True)),
+        ("rope thd inverse", ops.rope.default,
+         (t[:, 0], *table, "thd", None, True, int_tensor([0, 1, 4]), 1, 0, None, True, False)),
+        ("rope_ table", ops.rope_.default,
+         (t.clone(), *table, "sbhd", int_tensor([0, 0]), False, None, 1, 0, None, False)),
+        ("rope_ module inverse", ops.rope_.default, (t.clone(), *angles, "sbhd", None, False, None, 2, 1, None, True)),
         ("qkv_rope table", ops.qkv_rope.default,
-         (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None)),
-        ("qkv_rope module", ops.qkv_rope.default,
+         (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None,
+          False)),
+        ("qkv_rope module inverse", ops.qkv_rope.default,
          (qkv, module.inv_freq, None, module.inv_freq, None, True, 1, 1.0, 0.5, [10, 10, 10], "bshd",
-          int_tensor([1, 0, 2, 3]), False, 1, 0, None)),
+          int_tensor([1, 0, 2, 3]), False, 1, 0, None, True)),
         ("qkv_rope_backward", ops.qkv_rope_backward.default,
-         (*grads, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0, None)),
+         (*grads, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0, None,
+          False)),
     ]
 
 
-_OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd", "rope_ table", "rope_ module",
-                  "qkv_rope table", "qkv_rope module", "qkv_rope_backward")
+_OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd inverse", "rope_ table",
+                  "rope_ module inverse", "qkv_rope table", "qkv_rope module inverse", "qkv_rope_backward")
 
 
 @pytest.mark.parametrize("name", _OPCHECK_NAMES)

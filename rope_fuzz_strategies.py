@@ -163,7 +163,8 @@ def rope_calls(draw):
     kind = draw(st.sampled_from(["table", "module", "mrope"]))
     cp_size = draw(st.sampled_from([1, 1, 2, 3]))
     cp_rank = draw(st.integers(0, cp_size - 1))
-    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
+    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank,
+                  inverse=draw(st.booleans()))
     in_seq = None
     if fmt == "thd":
         tokens = draw(st.integers(0, 10))
@@ -243,7 +244,8 @@ def qkv_calls(draw):
     kind = draw(st.sampled_from(["table", "module", "mrope"]))
     cp_size = draw(st.sampled_from([1, 1, 2, 4]))
     cp_rank = draw(st.integers(0, cp_size - 1))
-    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
+    kwargs = dict(tensor_format=fmt, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank,
+                  inverse=draw(st.booleans()))
     s, b, rows = fuzz_sequences(draw, kind, cp_size, kwargs)
     # Distinct q and k angles, so a mix-up shows; both of one kind (as required).
     q_freqs = fuzz_angles(draw, gen, kind, d2, interleaved, rows)

@@ -18,6 +18,14 @@ For frequencies built as TE's `RotaryPositionEmbedding` builds them (f1 == f2) t
 familiar "rotate by -theta"; for arbitrary frequencies it is still the true gradient, which
 is what Transformer Engine's CUDA kernel computes too.
 
+`INVERSE` rotates by the negated angles, -f1 and -f2 (the sines negated, not swapped), for any
+frequencies; with `BACKWARD` too, that map's transpose (the sines swapped, not negated):
+
+    forward      sin_a, sin_b =  sin(f1),  sin(f2)     out1 = x1 cos(f1) - x2 sin_a
+    BACKWARD     sin_a, sin_b = -sin(f2), -sin(f1)     out2 = x2 cos(f2) + x1 sin_b
+    INVERSE      sin_a, sin_b = -sin(f1), -sin(f2)
+    both         sin_a, sin_b =  sin(f2),  sin(f1)
+
 The angles come from one of two sources (`Variant.ANGLES_FROM_POSITIONS`):
 - a table, TE's interface: f = freqs[position, channel], float32 angles;
 - integer positions and inverse frequencies: f = position * inv_freq[pair], the exact real
@@ -136,6 +144,7 @@ class Variant(NamedTuple):
     SEARCH_LEVELS: int = 0      # thd: steps of the search over cu_seqlens (launcher: _search_levels)
     BLOCK_KV: int = 0           # fused QKV: key (and value) heads per program
     BLOCK_V: int = 0            # fused QKV: power of two >= v_dim
+    INVERSE: bool = False       # rotate by the negated angles (see the module docstring)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -261,11 +270,13 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         angles, positions, tok, tok_block * BLOCK_T, seq_idx, batch_idx, tokens, rotary_dim,
         compute_dtype, BLOCK_H > 1, cfg)
     cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
-    # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b: the forward, or its transpose.
+    # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b (the table in the module docstring).
     if cfg.BACKWARD:
-        sin_a, sin_b = -sin2[:, None, :], -sin1[:, None, :]
+        sin_a, sin_b = sin2[:, None, :], sin1[:, None, :]
     else:
         sin_a, sin_b = sin1[:, None, :], sin2[:, None, :]
+    if cfg.BACKWARD != cfg.INVERSE:
+        sin_a, sin_b = -sin_a, -sin_b
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))

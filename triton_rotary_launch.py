@@ -204,7 +204,7 @@ def _check_index_tensor(name, value, device, length=None, t_name="t"):
 
 def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seqlens=None,
                     cp_size=1, cp_rank=0, interleaved=False, positions=None, need_kernel=True,
-                    t_name="t", freqs_name="freqs") -> RopeShape:
+                    t_name="t", freqs_name="freqs", inverse=False) -> RopeShape:
     """Validate one call's arguments (TE's semantics, plus `positions` and angles from a
     RotaryPositionEmbedding) and return its sizes.
 
@@ -231,6 +231,8 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
         raise TypeError(f"{freqs_name}.pair_axis is on {source.pair_axis.device} but {t_name} "
                         f"is on {t.device}")
     check_layout(source, interleaved, freqs_name)
+    if not isinstance(inverse, bool):
+        raise TypeError(f"inverse must be a bool, got {type(inverse).__name__}")
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -670,9 +672,9 @@ def _positions_mode(source, positions):
 
 
 def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
-               interleaved, backward, out, positions):
+               interleaved, backward, out, positions, inverse):
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
-                            cp_rank, interleaved, positions)
+                            cp_rank, interleaved, positions, inverse=inverse)
     in_place = out is t
     if in_place and _overlaps_itself(t):
         raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
@@ -705,7 +707,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
                   WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
                   POSITIONS_FROM=_positions_mode(source, positions), FLAT_GRID=flat_grid,
-                  IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0)
+                  IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0,
+                  INVERSE=inverse)
     return _RopePlan(
         _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape), grid, cfg, num_warps),
         x_strides=x_strides, out_strides=out_strides,
@@ -722,13 +725,14 @@ def _index_tensor(x):
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                       cu_seqlens=None, cp_size=1, cp_rank=0, backward=False, out=None,
-                      positions=None):
+                      positions=None, inverse=False):
     """Check the arguments, allocate the output, set up the grid and launch `rotary_kernel`.
 
     `freqs` is a table tensor, a RotaryPositionEmbedding or an AngleSource. `t` may have any
     strides; the result is contiguous in `t`'s format and dtype. With `backward=True`, `t` is
     the gradient of the output and the result the gradient of the input. `out=t` rotates in
     place (channels past d2 are not touched); `t` must then not overlap itself in memory.
+    `inverse=True` rotates by the negated angles (its backward: `backward=True` with it).
     """
     if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
         if out is t:
@@ -744,10 +748,10 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     tensors = (t, getattr(source, "angles", source), getattr(source, "pair_axis", None),
                start_positions, cu_seqlens, positions, None if out is t else out)
     key = _metadata_key(tensors, ("rope", tensor_format, interleaved, cp_size, cp_rank,
-                                  backward, out is t, *_source_key(source)))
+                                  backward, out is t, inverse, *_source_key(source)))
     plan = _cached_plan(key, lambda: _make_plan(t, source, tensor_format, start_positions,
                                                 cu_seqlens, cp_size, cp_rank, interleaved,
-                                                backward, out, positions))
+                                                backward, out, positions, inverse))
     # After the plan, which validated out against t: whether they share memory is a matter
     # of data pointers, which no plan's key holds, so it is checked on every call.
     if out is not None and out is not t and _share_memory(out, t):
@@ -767,7 +771,8 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
 
 
 def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                   cp_size, cp_rank, interleaved, positions=None, need_kernel=True):
+                   cp_size, cp_rank, interleaved, positions=None, need_kernel=True,
+                   inverse=False):
     """Validate a fused-QKV call; returns (RopeShape of the key part, (q, k, v) widths)."""
     if tensor_format not in ("sbhd", "bshd"):
         raise ValueError(f"tensor_format must be 'sbhd' or 'bshd' for fused QKV, got {tensor_format!r}")
@@ -786,7 +791,7 @@ def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, sta
     key_part = qkv[..., split[0]:split[0] + split[1]]
     shapes = [check_rope_args(key_part, freqs, tensor_format, start_positions, None, cp_size,
                               cp_rank, interleaved, positions, need_kernel, t_name="qkv",
-                              freqs_name=name)
+                              freqs_name=name, inverse=inverse)
               for name, freqs in (("q_freqs", q_freqs), ("k_freqs", k_freqs))]
     q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
     if shapes[0].rotary_dim != shapes[1].rotary_dim:
@@ -828,9 +833,9 @@ def qkv_outputs(qkv, split, grads=None):
 
 
 def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_positions, interleaved,
-                   cp_size, cp_rank, grads, positions):
+                   cp_size, cp_rank, grads, positions, inverse):
     shape, split = check_qkv_args(qkv, q_source, k_source, split, tensor_format, start_positions,
-                                  cp_size, cp_rank, interleaved, positions)
+                                  cp_size, cp_rank, interleaved, positions, inverse=inverse)
     q_dim, k_dim, v_dim = split
     kv_heads, q_per_kv = qkv.shape[2], q_dim // k_dim
     if grads is not None:
@@ -866,7 +871,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                   HAS_START=start_positions is not None, WIDE_INNER=widest > _INT32_MAX,
                   ANGLES_FROM_POSITIONS=q_source.from_positions,
                   POSITIONS_FROM=_positions_mode(q_source, positions), FLAT_GRID=flat_grid,
-                  BLOCK_KV=block_kv, BLOCK_V=block_v)
+                  BLOCK_KV=block_kv, BLOCK_V=block_v, INVERSE=inverse)
     return _QKVPlan(
         _Launch(rotary_qkv_kernel, (InOut, InOut, InOut, Angles, Angles, Positions, QKVShape),
                 grid, cfg, num_warps),
@@ -881,10 +886,11 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
 
 def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
                           start_positions=None, interleaved=False, cp_size=1, cp_rank=0,
-                          grads=None, positions=None):
+                          grads=None, positions=None, inverse=False):
     """Fused QKV RoPE in one launch. Forward (grads=None): qkv [s, b, h_kv, q+k+v] (or bshd)
     -> (q [.., h_kv*q/d, d], k [.., h_kv, d], v [.., h_kv, v]), contiguous. Backward
-    (grads=(dq, dk, dv), any strides): -> the packed gradient of qkv, contiguous."""
+    (grads=(dq, dk, dv), any strides): -> the packed gradient of qkv, contiguous.
+    `inverse=True`: q and k rotated by the negated angles (backward: that map's gradient)."""
     if isinstance(qkv, torch.Tensor):
         qkv = qkv.resolve_neg()
     if grads is not None:
@@ -896,11 +902,11 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
                *[getattr(s, "pair_axis", None) for s in sources], start_positions, positions,
                *(grads or ()))
     key = _metadata_key(tensors, ("qkv", _typed(split), tensor_format, interleaved, cp_size,
-                                  cp_rank, grads is None, *_source_key(sources[0]),
+                                  cp_rank, grads is None, inverse, *_source_key(sources[0]),
                                   *_source_key(sources[1])))
     plan = _cached_plan(key, lambda: _make_qkv_plan(
         qkv, *sources, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-        grads, positions))
+        grads, positions, inverse))
     result = qkv_outputs(qkv, plan.split, grads)
     if plan.launch is not None:
         q_source, k_source = sources

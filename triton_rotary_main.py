@@ -382,7 +382,8 @@ class RopeCall(NamedTuple):
     cp_size: int
     cp_rank: int
     positions: Optional[torch.Tensor]
-    transpose: bool
+    inverse: bool           # rotate by the negated angles
+    transpose: bool         # the transpose of that rotation (the backward)
 
 
 # The tensors a call's backward reads besides the gradient go through ctx.save_for_backward, so
@@ -405,7 +406,7 @@ def _backward_rope_call(ctx):
     return RopeCall(AngleSource(angles, source.from_positions, pair_axis, source.n_axes,
                                 source.scale, source.interleaved),
                     call.tensor_format, start_positions, call.interleaved, cu_seqlens,
-                    call.cp_size, call.cp_rank, positions, not call.transpose)
+                    call.cp_size, call.cp_rank, positions, call.inverse, not call.transpose)
 
 
 class RopeForwardAndBackward(torch.autograd.Function):
@@ -436,7 +437,7 @@ class RopeForwardAndBackward(torch.autograd.Function):
 # it and `_rope_call` / `_qkv_call` read it back.
 _ROPE_CALL_SCHEMA = ("Tensor angles, Tensor? pair_axis, bool from_positions, int n_axes, float scale, "
                      "str tensor_format, Tensor? start_positions, bool interleaved, Tensor? cu_seqlens, "
-                     "int cp_size, int cp_rank, Tensor? positions")
+                     "int cp_size, int cp_rank, Tensor? positions, bool inverse")
 
 
 def _rope_op_args(call):
@@ -444,21 +445,22 @@ def _rope_op_args(call):
     src = call.source
     return (src.angles, src.pair_axis, src.from_positions, src.n_axes, src.scale,
             call.tensor_format, call.start_positions, call.interleaved, call.cu_seqlens,
-            call.cp_size, call.cp_rank, call.positions)
+            call.cp_size, call.cp_rank, call.positions, call.inverse)
 
 
 def _rope_call(angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
-               interleaved, cu_seqlens, cp_size, cp_rank, positions, transpose=False):
+               interleaved, cu_seqlens, cp_size, cp_rank, positions, inverse, transpose=False):
     """The rope ops' arguments back into a RopeCall. The module's pair layout is not among
     them: it is checked before a call is flattened (`_compiled_or_eager`)."""
     return RopeCall(AngleSource(angles, from_positions, pair_axis, n_axes, scale, None),
                     tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                    positions, transpose)
+                    positions, inverse, transpose)
 
 
 def _check_rope_call(t, call):
     check_rope_args(t, call.source, call.tensor_format, call.start_positions, call.cu_seqlens,
-                    call.cp_size, call.cp_rank, call.interleaved, call.positions, need_kernel=False)
+                    call.cp_size, call.cp_rank, call.interleaved, call.positions, need_kernel=False,
+                    inverse=call.inverse)
 
 
 def _rope_eager(t, call, transpose):
@@ -466,12 +468,13 @@ def _rope_eager(t, call, transpose):
     launcher."""
     return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                             transpose, None, call.positions)
+                             transpose, None, call.positions, call.inverse)
 
 
 def _rope_inplace_eager(t, call):
     set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions, call.interleaved,
-                      call.cu_seqlens, call.cp_size, call.cp_rank, out=t, positions=call.positions)
+                      call.cu_seqlens, call.cp_size, call.cp_rank, out=t, positions=call.positions,
+                      inverse=call.inverse)
 
 
 @torch.library.custom_op("triton_rotary::rope", mutates_args=(),
@@ -576,16 +579,16 @@ def _pair_angles_to_channels(angles, interleaved):
 
 
 def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                  cp_rank, positions=None):
+                  cp_rank, positions=None, inverse=False):
     """TE's unfused formula in plain PyTorch ops (autograd by PyTorch): cos/sin in float32,
     cast to t's dtype, then t * cos + rotate_half(t) * sin on the first d2 channels. For a
     RotaryPositionEmbedding, each angle is position * inv_freq computed in float64 (exact),
     its cos/sin rounded to float32 and scaled by the attention factor.
     Same conventions as the kernel off the happy path: tokens outside every thd sequence pass
     through; tokens whose position falls outside a freqs table get NaN in their rotated
-    channels."""
+    channels. `inverse` negates the angles: t * cos - rotate_half(t) * sin."""
     shape = check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
-                            cp_rank, interleaved, positions, need_kernel=False)
+                            cp_rank, interleaved, positions, need_kernel=False, inverse=inverse)
     source = angle_source(freqs)
     if t.is_neg():
         t = t.resolve_neg()
@@ -615,6 +618,8 @@ def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seql
     # cos/sin rounded to float32 (the module's scaled), then to t's dtype, as TE's formula.
     cos = (torch.cos(angles).float() * source.scale).to(t.dtype)[..., None, :]  # over heads
     sin = (torch.sin(angles).float() * source.scale).to(t.dtype)[..., None, :]
+    if inverse:
+        sin = -sin
     rot, rest = t[..., :shape.rotary_dim], t[..., shape.rotary_dim:]
     rotated = rot * cos + _rotate_half(rot, interleaved) * sin
     if tensor_format == "thd":
@@ -626,9 +631,10 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
                          start_positions: Optional[torch.Tensor] = None,
                          interleaved: bool = False, fused: bool = True,
                          cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
-                         cp_rank: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         cp_rank: int = 0, positions: Optional[torch.Tensor] = None,
+                         inverse: bool = False) -> torch.Tensor:
     """Apply rotary position embedding to `t` (Transformer Engine's signature and semantics,
-    plus angles from positions).
+    plus angles from positions and the inverse rotation).
 
     t:               [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd); float32,
                      float16, bfloat16 (float64 also works, computed in float64). Any strides.
@@ -648,6 +654,9 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
                      (shared by the batch) or [b, s] for sbhd/bshd, [t] for thd (then without
                      cu_seqlens); with an M-RoPE module [n_axes, ...]. Not combined with
                      start_positions or cp_size > 1. With a table, the position is the row.
+    inverse:         rotate by the negated angles, t * cos - rotate_half(t) * sin (undoes the
+                     rotation; RoPE applied to attention values and outputs, as DeepSeek-V4
+                     does). Its gradient is the rotation by the angles.
 
     Returns a new contiguous tensor of t's shape and dtype; channels d2..d are copied.
     Off the happy path (defined here, unlike TE): thd tokens outside every sequence (before
@@ -657,9 +666,9 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     """
     if not fused:
         return _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
-                             cp_size, cp_rank, positions)
+                             cp_size, cp_rank, positions, inverse)
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
-                    cu_seqlens, cp_size, cp_rank, positions, False)
+                    cu_seqlens, cp_size, cp_rank, positions, inverse, False)
     return RopeForwardAndBackward.apply(t, call)
 
 
@@ -668,7 +677,8 @@ def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "s
                                  interleaved: bool = False,
                                  cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
                                  cp_rank: int = 0,
-                                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                 positions: Optional[torch.Tensor] = None,
+                                 inverse: bool = False) -> torch.Tensor:
     """Inference path: rotate `t` in its own storage and return it. Only the first d2 channels
     of each head are read and written; `t` may be a strided view (e.g. q inside a packed qkv
     buffer) but must not overlap itself. Same arguments and semantics as
@@ -677,7 +687,7 @@ def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "s
         raise ValueError("apply_rotary_pos_emb_inplace is for inference: t requires grad; use "
                          "apply_rotary_pos_emb, or call it under torch.no_grad()")
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved, cu_seqlens,
-                    cp_size, cp_rank, positions, False)
+                    cp_size, cp_rank, positions, inverse, False)
     _compiled_or_eager(_rope_inplace_op, _rope_inplace_eager, (t,), call, _rope_op_args)
     return t
 
@@ -693,6 +703,7 @@ class QKVCall(NamedTuple):
     cp_size: int
     cp_rank: int
     positions: Optional[torch.Tensor]
+    inverse: bool           # rotate q and k by the negated angles
 
 
 def _save_qkv_call(ctx, call):
@@ -711,7 +722,7 @@ def _saved_qkv_call(ctx):
                    AngleSource(k_angles, k.from_positions, k_pair_axis, k.n_axes, k.scale,
                                k.interleaved),
                    call.split, call.tensor_format, start_positions, call.interleaved,
-                   call.cp_size, call.cp_rank, positions)
+                   call.cp_size, call.cp_rank, positions, call.inverse)
 
 
 class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
@@ -753,7 +764,7 @@ class _FusedQKVRopeTranspose(torch.autograd.Function):
 _QKV_CALL_SCHEMA = ("Tensor q_angles, Tensor? q_pair_axis, Tensor k_angles, Tensor? k_pair_axis, "
                     "bool from_positions, int n_axes, float q_scale, float k_scale, "
                     "int[] qkv_split_arg_list, str tensor_format, Tensor? start_positions, "
-                    "bool interleaved, int cp_size, int cp_rank, Tensor? positions")
+                    "bool interleaved, int cp_size, int cp_rank, Tensor? positions, bool inverse")
 
 
 def _qkv_op_args(call):
@@ -761,23 +772,24 @@ def _qkv_op_args(call):
     q, k = call.q_source, call.k_source
     return (q.angles, q.pair_axis, k.angles, k.pair_axis, q.from_positions, q.n_axes, q.scale,
             k.scale, list(call.split), call.tensor_format, call.start_positions, call.interleaved,
-            call.cp_size, call.cp_rank, call.positions)
+            call.cp_size, call.cp_rank, call.positions, call.inverse)
 
 
 def _qkv_call(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
               k_scale, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-              positions):
+              positions, inverse):
     """The fused-QKV ops' arguments back into a QKVCall."""
     return QKVCall(AngleSource(q_angles, from_positions, q_pair_axis, n_axes, q_scale, None),
                    AngleSource(k_angles, from_positions, k_pair_axis, n_axes, k_scale, None),
                    split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-                   positions)
+                   positions, inverse)
 
 
 def _qkv_eager(qkv, call):
     return set_rotary_qkv_kernel(qkv, call.q_source, call.k_source, call.split,
                                  call.tensor_format, call.start_positions, call.interleaved,
-                                 call.cp_size, call.cp_rank, positions=call.positions)
+                                 call.cp_size, call.cp_rank, positions=call.positions,
+                                 inverse=call.inverse)
 
 
 def _qkv_backward_eager(dq, dk, dv, call):
@@ -787,7 +799,7 @@ def _qkv_backward_eager(dq, dk, dv, call):
     return set_rotary_qkv_kernel(packed, call.q_source, call.k_source, call.split,
                                  call.tensor_format, call.start_positions, call.interleaved,
                                  call.cp_size, call.cp_rank, grads=(dq, dk, dv),
-                                 positions=call.positions)
+                                 positions=call.positions, inverse=call.inverse)
 
 
 @torch.library.custom_op("triton_rotary::qkv_rope", mutates_args=(),
@@ -801,7 +813,8 @@ def _(qkv, *args):
     call = _qkv_call(*args)
     _, split = check_qkv_args(qkv, call.q_source, call.k_source, call.split,
                               call.tensor_format, call.start_positions, call.cp_size,
-                              call.cp_rank, call.interleaved, call.positions, need_kernel=False)
+                              call.cp_rank, call.interleaved, call.positions, need_kernel=False,
+                              inverse=call.inverse)
     return qkv_outputs(qkv, split)
 
 
@@ -818,14 +831,14 @@ def _(dq, dk, dv, *args):
 
 
 def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                 interleaved, cp_size, cp_rank, positions=None):
+                 interleaved, cp_size, cp_rank, positions=None, inverse=False):
     check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                   cp_size, cp_rank, interleaved, positions, need_kernel=False)
+                   cp_size, cp_rank, interleaved, positions, need_kernel=False, inverse=inverse)
     q, k, v = torch.split(qkv, list(qkv_split_arg_list), dim=-1)
     q = q.unflatten(-1, (qkv_split_arg_list[0] // qkv_split_arg_list[1], qkv_split_arg_list[1])
                     ).flatten(2, 3)
     rope = lambda x, f: _unfused_rope(x, f, tensor_format, start_positions, interleaved, None,  # noqa: E731
-                                      cp_size, cp_rank, positions)
+                                      cp_size, cp_rank, positions, inverse)
     return rope(q, q_freqs), rope(k, k_freqs), v.contiguous()
 
 
@@ -833,7 +846,8 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
                                    tensor_format: str = "sbhd",
                                    start_positions: Optional[torch.Tensor] = None,
                                    interleaved: bool = False, cp_size: int = 1, cp_rank: int = 0,
-                                   fused: bool = True, positions: Optional[torch.Tensor] = None):
+                                   fused: bool = True, positions: Optional[torch.Tensor] = None,
+                                   inverse: bool = False):
     """RoPE on a fused QKV projection (TE's `apply_fused_qkv_rotary_pos_emb`).
 
     qkv: [s, b, h_kv, q + k + v] (sbhd) or [b, s, h_kv, q + k + v] (bshd), split along the last
@@ -841,11 +855,12 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
     q_freqs/k_freqs: two tables, or two RotaryPositionEmbedding (angles from positions).
     Returns contiguous q [.., h_kv * q / d, d] rotated with q_freqs, k [.., h_kv, d] rotated with
     k_freqs, and v [.., h_kv, v] unchanged: one kernel launch forward and one backward (which
-    writes the packed gradient of qkv). Other arguments as in `apply_rotary_pos_emb`.
+    writes the packed gradient of qkv). Other arguments, `inverse` too, as in
+    `apply_rotary_pos_emb`.
     """
     if not fused:
         return _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format,
-                            start_positions, interleaved, cp_size, cp_rank, positions)
+                            start_positions, interleaved, cp_size, cp_rank, positions, inverse)
     q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
     if torch.compiler.is_compiling():         # the op's arguments drop the modules' layouts
         for name, source in (("q_freqs", q_source), ("k_freqs", k_source)):
@@ -855,5 +870,5 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
         check_qkv_args(qkv, q_source, k_source, qkv_split_arg_list, tensor_format,
                        start_positions, cp_size, cp_rank, interleaved, positions)
     call = QKVCall(q_source, k_source, qkv_split_arg_list, tensor_format, start_positions,
-                   interleaved, cp_size, cp_rank, positions)
+                   interleaved, cp_size, cp_rank, positions, inverse)
     return FusedQKVRopeForwardAndBackward.apply(qkv, call)
