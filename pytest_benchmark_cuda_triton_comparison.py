@@ -1541,6 +1541,31 @@ def test_arguments_modified_before_backward_raise(what):
         loss.backward()
 
 
+def test_calls_autograd_does_not_record_skip_the_autograd_function():
+    """Where autograd records nothing (no_grad, or an input that does not require grad) a
+    call goes straight to the launch: no grad_fn, the same values as the recorded call; a
+    recorded call gets the autograd function's grad_fn. Fused QKV likewise."""
+    torch.manual_seed(43)
+    t = torch.randn(6, 2, 3, 16, device=DEVICE, requires_grad=True)
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(6)
+    recorded = apply_rotary_pos_emb(t, freqs)
+    assert type(recorded.grad_fn).__name__ == "RopeForwardAndBackwardBackward"
+    with torch.no_grad():
+        unrecorded = apply_rotary_pos_emb(t, freqs)
+    assert unrecorded.grad_fn is None and not unrecorded.requires_grad
+    assert torch.equal(unrecorded, recorded.detach())
+    plain = apply_rotary_pos_emb(t.detach(), freqs, inverse=True)
+    assert plain.grad_fn is None
+    assert torch.equal(plain, apply_rotary_pos_emb(t, freqs, inverse=True).detach())
+    qkv = torch.randn(6, 2, 2, 64, device=DEVICE, requires_grad=True)
+    outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16])
+    assert type(outs[0].grad_fn).__name__ == "FusedQKVRopeForwardAndBackwardBackward"
+    with torch.no_grad():
+        plain_outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16])
+    for out, ref in zip(plain_outs, outs):
+        assert out.grad_fn is None and torch.equal(out, ref.detach())
+
+
 def test_unfused_thd_pass_through_gradient():
     """Documented: thd tokens outside every sequence pass through, forward and backward. The
     kernel does; fused=False gives NaN gradients where such a token's would-be position is

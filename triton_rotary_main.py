@@ -501,6 +501,11 @@ def _(t, *args):
     _check_rope_call(t, _rope_call(*args))
 
 
+def _needs_grad(t):
+    """Whether autograd records a call on t (anything but a tensor is left to the checks)."""
+    return torch.is_grad_enabled() and getattr(t, "requires_grad", False)
+
+
 def _compiled_or_eager(op, eager, tensors, call, op_args, *extra):
     """`eager(*tensors, call, *extra)`, or under torch.compile the custom op `op` on the tensors,
     the call flattened by `op_args`, and `extra`. Eager calls skip the op: its dispatcher costs
@@ -669,6 +674,10 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
                              cp_size, cp_rank, positions, inverse)
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
                     cu_seqlens, cp_size, cp_rank, positions, inverse, False)
+    if not _needs_grad(t):
+        # No graph to record: straight to the launch (autograd.Function.apply costs about as
+        # much CPU time as the rest of a small call).
+        return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, False)
     return RopeForwardAndBackward.apply(t, call)
 
 
@@ -871,4 +880,6 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
                        start_positions, cp_size, cp_rank, interleaved, positions)
     call = QKVCall(q_source, k_source, qkv_split_arg_list, tensor_format, start_positions,
                    interleaved, cp_size, cp_rank, positions, inverse)
+    if not _needs_grad(qkv):
+        return _compiled_or_eager(_qkv_op, _qkv_eager, (qkv,), call, _qkv_op_args)
     return FusedQKVRopeForwardAndBackward.apply(qkv, call)
