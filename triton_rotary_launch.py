@@ -867,8 +867,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     k_programs = triton.cdiv(kv_heads, block_kv)
     grid, flat_grid = _program_grid(grid[0], q_programs + k_programs, "qkv")
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=grads is not None,
-                  SEQ_MAJOR=tensor_format == "sbhd",
-                  HAS_START=start_positions is not None, WIDE_INNER=widest > _INT32_MAX,
+                  SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
+                  WIDE_INNER=widest > _INT32_MAX,
                   ANGLES_FROM_POSITIONS=q_source.from_positions,
                   POSITIONS_FROM=_positions_mode(q_source, positions), FLAT_GRID=flat_grid,
                   BLOCK_KV=block_kv, BLOCK_V=block_v, INVERSE=inverse)

@@ -419,15 +419,14 @@ class RopeForwardAndBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, call):
         _save_rope_call(ctx, call)
-        return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, call.transpose)
+        return _rope(t, call)
 
     @staticmethod
     def backward(ctx, grad_out):
         call = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return RopeForwardAndBackward.apply(grad_out, call), None
-        return _compiled_or_eager(_rope_op, _rope_eager, (grad_out,), call, _rope_op_args,
-                                  call.transpose), None
+        return _rope(grad_out, call), None
 
 
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
@@ -499,6 +498,22 @@ def _rope_inplace_op(t, *args):
 @_rope_inplace_op.register_fake
 def _(t, *args):
     _check_rope_call(t, _rope_call(*args))
+
+
+def _rope(t, call):
+    """One launch of rotary_kernel: `call` on t."""
+    return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, call.transpose)
+
+
+def _qkv(qkv, call):
+    """One launch of rotary_qkv_kernel: packed qkv -> (q, k, v)."""
+    return _compiled_or_eager(_qkv_op, _qkv_eager, (qkv,), call, _qkv_op_args)
+
+
+def _qkv_backward(dq, dk, dv, call):
+    """One launch of rotary_qkv_kernel: (dq, dk, dv) -> the packed gradient of qkv."""
+    return _compiled_or_eager(_qkv_backward_op, _qkv_backward_eager, (dq, dk, dv), call,
+                              _qkv_op_args)
 
 
 def _needs_grad(t):
@@ -677,7 +692,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     if not _needs_grad(t):
         # No graph to record: straight to the launch (autograd.Function.apply costs about as
         # much CPU time as the rest of a small call).
-        return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, False)
+        return _rope(t, call)
     return RopeForwardAndBackward.apply(t, call)
 
 
@@ -742,15 +757,14 @@ class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, call):
         _save_qkv_call(ctx, call)
-        return _compiled_or_eager(_qkv_op, _qkv_eager, (qkv,), call, _qkv_op_args)
+        return _qkv(qkv, call)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         call = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return _FusedQKVRopeTranspose.apply(dq, dk, dv, call), None
-        return _compiled_or_eager(_qkv_backward_op, _qkv_backward_eager, (dq, dk, dv), call,
-                                  _qkv_op_args), None
+        return _qkv_backward(dq, dk, dv, call), None
 
 
 class _FusedQKVRopeTranspose(torch.autograd.Function):
@@ -759,15 +773,14 @@ class _FusedQKVRopeTranspose(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dq, dk, dv, call):
         _save_qkv_call(ctx, call)
-        return _compiled_or_eager(_qkv_backward_op, _qkv_backward_eager, (dq, dk, dv), call,
-                                  _qkv_op_args)
+        return _qkv_backward(dq, dk, dv, call)
 
     @staticmethod
     def backward(ctx, grad_dqkv):
         call = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():
             return (*FusedQKVRopeForwardAndBackward.apply(grad_dqkv, call), None)
-        return (*_compiled_or_eager(_qkv_op, _qkv_eager, (grad_dqkv,), call, _qkv_op_args), None)
+        return (*_qkv(grad_dqkv, call), None)
 
 
 _QKV_CALL_SCHEMA = ("Tensor q_angles, Tensor? q_pair_axis, Tensor k_angles, Tensor? k_pair_axis, "
@@ -881,5 +894,5 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
     call = QKVCall(q_source, k_source, qkv_split_arg_list, tensor_format, start_positions,
                    interleaved, cp_size, cp_rank, positions, inverse)
     if not _needs_grad(qkv):
-        return _compiled_or_eager(_qkv_op, _qkv_eager, (qkv,), call, _qkv_op_args)
+        return _qkv(qkv, call)
     return FusedQKVRopeForwardAndBackward.apply(qkv, call)
