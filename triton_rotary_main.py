@@ -398,15 +398,21 @@ def _save_rope_call(ctx, call):
     ctx.call = call
 
 
+def _source_with(source, angles, pair_axis):
+    """`source` with the tensors the backward took from saved_tensors (built directly:
+    NamedTuple._replace costs more CPU time on every step)."""
+    return AngleSource(angles, source.from_positions, pair_axis, source.n_axes, source.scale,
+                       source.interleaved)
+
+
 def _backward_rope_call(ctx):
     """The backward's call: the forward's, with its tensors from saved_tensors and the
     rotation transposed."""
     angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
-    call, source = ctx.call, ctx.call.source
-    return RopeCall(AngleSource(angles, source.from_positions, pair_axis, source.n_axes,
-                                source.scale, source.interleaved),
-                    call.tensor_format, start_positions, call.interleaved, cu_seqlens,
-                    call.cp_size, call.cp_rank, positions, call.inverse, not call.transpose)
+    call = ctx.call
+    return RopeCall(_source_with(call.source, angles, pair_axis), call.tensor_format,
+                    start_positions, call.interleaved, cu_seqlens, call.cp_size, call.cp_rank,
+                    positions, call.inverse, not call.transpose)
 
 
 class RopeForwardAndBackward(torch.autograd.Function):
@@ -436,7 +442,7 @@ class RopeForwardAndBackward(torch.autograd.Function):
 # it and `_rope_call` / `_qkv_call` read it back.
 _ROPE_CALL_SCHEMA = ("Tensor angles, Tensor? pair_axis, bool from_positions, int n_axes, float scale, "
                      "str tensor_format, Tensor? start_positions, bool interleaved, Tensor? cu_seqlens, "
-                     "int cp_size, int cp_rank, Tensor? positions, bool inverse")
+                     "int cp_size, int cp_rank, Tensor? positions, bool inverse, bool backward")
 
 
 def _rope_op_args(call):
@@ -444,11 +450,11 @@ def _rope_op_args(call):
     src = call.source
     return (src.angles, src.pair_axis, src.from_positions, src.n_axes, src.scale,
             call.tensor_format, call.start_positions, call.interleaved, call.cu_seqlens,
-            call.cp_size, call.cp_rank, call.positions, call.inverse)
+            call.cp_size, call.cp_rank, call.positions, call.inverse, call.transpose)
 
 
 def _rope_call(angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
-               interleaved, cu_seqlens, cp_size, cp_rank, positions, inverse, transpose=False):
+               interleaved, cu_seqlens, cp_size, cp_rank, positions, inverse, transpose):
     """The rope ops' arguments back into a RopeCall. The module's pair layout is not among
     them: it is checked before a call is flattened (`_compiled_or_eager`)."""
     return RopeCall(AngleSource(angles, from_positions, pair_axis, n_axes, scale, None),
@@ -462,25 +468,23 @@ def _check_rope_call(t, call):
                     inverse=call.inverse)
 
 
-def _rope_eager(t, call, transpose):
-    """`call` on t, its rotation transposed if `transpose` (the backward), straight to the
-    launcher."""
+def _rope_eager(t, call):
+    """`call` on t, straight to the launcher."""
     return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                             transpose, None, call.positions, call.inverse)
+                             call.transpose, None, call.positions, call.inverse)
 
 
 def _rope_inplace_eager(t, call):
     set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions, call.interleaved,
-                      call.cu_seqlens, call.cp_size, call.cp_rank, out=t, positions=call.positions,
-                      inverse=call.inverse)
+                      call.cu_seqlens, call.cp_size, call.cp_rank, call.transpose, out=t,
+                      positions=call.positions, inverse=call.inverse)
 
 
 @torch.library.custom_op("triton_rotary::rope", mutates_args=(),
-                         schema=f"(Tensor t, {_ROPE_CALL_SCHEMA}, bool backward) -> Tensor")
+                         schema=f"(Tensor t, {_ROPE_CALL_SCHEMA}) -> Tensor")
 def _rope_op(t, *args):
-    call = _rope_call(*args)
-    return _rope_eager(t, call, call.transpose)
+    return _rope_eager(t, _rope_call(*args))
 
 
 @_rope_op.register_fake
@@ -502,7 +506,7 @@ def _(t, *args):
 
 def _rope(t, call):
     """One launch of rotary_kernel: `call` on t."""
-    return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args, call.transpose)
+    return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args)
 
 
 def _qkv(qkv, call):
@@ -521,17 +525,17 @@ def _needs_grad(t):
     return torch.is_grad_enabled() and getattr(t, "requires_grad", False)
 
 
-def _compiled_or_eager(op, eager, tensors, call, op_args, *extra):
-    """`eager(*tensors, call, *extra)`, or under torch.compile the custom op `op` on the tensors,
-    the call flattened by `op_args`, and `extra`. Eager calls skip the op: its dispatcher costs
+def _compiled_or_eager(op, eager, tensors, call, op_args):
+    """`eager(*tensors, call)`, or under torch.compile the custom op `op` on the tensors and the
+    call flattened by `op_args`. Eager calls skip the op: its dispatcher costs
     CPU time on every call. A module's pair layout does not survive the flattening, so it is
     checked here, where the module is still known."""
     if torch.compiler.is_compiling():
         sources = (call.source,) if isinstance(call, RopeCall) else (call.q_source, call.k_source)
         for source in sources:
             check_layout(source, call.interleaved)
-        return op(*tensors, *op_args(call), *extra)
-    return eager(*tensors, call, *extra)
+        return op(*tensors, *op_args(call))
+    return eager(*tensors, call)
 
 
 def token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
@@ -740,13 +744,11 @@ def _save_qkv_call(ctx, call):
 def _saved_qkv_call(ctx):
     """The forward's call, with its tensors from saved_tensors."""
     q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
-    call, q, k = ctx.call, ctx.call.q_source, ctx.call.k_source
-    return QKVCall(AngleSource(q_angles, q.from_positions, q_pair_axis, q.n_axes, q.scale,
-                               q.interleaved),
-                   AngleSource(k_angles, k.from_positions, k_pair_axis, k.n_axes, k.scale,
-                               k.interleaved),
-                   call.split, call.tensor_format, start_positions, call.interleaved,
-                   call.cp_size, call.cp_rank, positions, call.inverse)
+    call = ctx.call
+    return QKVCall(_source_with(call.q_source, q_angles, q_pair_axis),
+                   _source_with(call.k_source, k_angles, k_pair_axis), call.split,
+                   call.tensor_format, start_positions, call.interleaved, call.cp_size,
+                   call.cp_rank, positions, call.inverse)
 
 
 class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
