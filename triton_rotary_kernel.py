@@ -37,8 +37,23 @@ context parallelism) or read from a `positions` tensor.
 Channels `rotary_dim..head_dim` are copied through. Arithmetic is float32 (float64 for
 float64 inputs, so that `gradcheck` can run through the kernel).
 
-Reading order: the argument groups (View, Angles, Positions, the shapes, Variant), the two
-kernels, `_rope_tile` (one tile: loads, angles, rotation, stores), the tokens' positions
+QK-norm (`Variant.NORM`): an RMSNorm before the rotation, over each head's d channels or over
+all heads of a token (n channels in all), with w the weight plus `Norm.offset`:
+
+    xhat = x * rstd,  rstd = 1 / sqrt(sum(x^2) / n + eps),  y = RoPE(xhat * w)
+
+Its backward takes g = dL/dy, rotates it back (gn = RoPE^T(g), the gradient of xhat * w) and
+applies the norm's own transpose,
+
+    dx = rstd * (gn * w - xhat * sum(gn * w * xhat) / n),   dw = sum over tokens of gn * xhat
+
+(for a per-head norm, the tokens' heads too). dw is reduced deterministically: each program
+loops over its share of the token blocks and writes one row of partial sums, which the launcher
+adds up in a second pass.
+
+Reading order: the argument groups (View, Angles, Positions, the shapes, Norm, Variant), the
+two kernels, `_rope_tile` (one tile: loads, norm, angles, rotation, stores), the norm's
+arithmetic (`_rms_norm`, `_rms_norm_backward`), the tokens' positions
 (`_positions`, the thd search of cu_seqlens), the angles (`_tile_angles`, from a table or
 from positions), and last the arithmetic: fma, sin and cos.
 """
@@ -57,6 +72,11 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 IMPLICIT_POSITIONS = tl.constexpr(0)     # index in the sequence: start_positions, thd, CP
 POSITIONS_TENSOR = tl.constexpr(1)       # one position per token, from `positions`
 AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis chosen per pair
+
+# Which RMSNorm comes before the rotation (Variant.NORM).
+NO_NORM = tl.constexpr(0)
+NORM_OVER_HEAD = tl.constexpr(1)         # over each head's d channels (Qwen3, Gemma 3); weight [d]
+NORM_OVER_TOKEN = tl.constexpr(2)        # over all heads of a token (OLMo 2); weight [h * d]
 
 
 
@@ -125,6 +145,15 @@ class Tokens(NamedTuple):
     cp_rank: int
 
 
+class Norm(NamedTuple):
+    """The RMSNorm before the rotation (which: Variant.NORM); None in its place without one."""
+    weight: object     # [d] or [h * d], any floating dtype, read in the compute dtype
+    eps: float
+    offset: float      # added to the weight: 1.0 for Gemma's (1 + weight)
+    x: View            # backward: the norm's input (the forward's t); forward: None
+    partial: object    # backward: [programs, weight size] partial sums of dL/dweight; forward: None
+
+
 class Variant(NamedTuple):
     """The compile-time choices of a kernel (one `tl.constexpr` argument): each field
     changes the generated code."""
@@ -145,54 +174,98 @@ class Variant(NamedTuple):
     BLOCK_KV: int = 0           # fused QKV: key (and value) heads per program
     BLOCK_V: int = 0            # fused QKV: power of two >= v_dim
     INVERSE: bool = False       # rotate by the negated angles (see the module docstring)
+    NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
-def rotary_kernel(x, out, angles, positions, shape, num_tokens, seq_len, batch, cp_size, cp_rank,
-                  cfg: tl.constexpr):
+def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, batch, cp_size,
+                  cp_rank, cfg: tl.constexpr):
     """RoPE of x (View) into out (View; out == x in place), angles from `angles` (Angles) at
-    the positions `positions` (Positions) gives, `shape` a HeadShape, `cfg` a Variant. A
-    program rotates a tile of BLOCK_T tokens x BLOCK_H heads."""
-    tok_block, head_block = _program_block(tl.cdiv(shape.nheads, cfg.BLOCK_H), cfg.FLAT_GRID)
+    the positions `positions` (Positions) gives, `shape` a HeadShape, `norm` a Norm (or None),
+    `cfg` a Variant. A program rotates a tile of BLOCK_T tokens x BLOCK_H heads; the backward
+    of a norm, every token_programs-th tile from its own on (`_token_programs`)."""
+    head_programs = tl.cdiv(shape.nheads, cfg.BLOCK_H)
+    tok_block, head_block = _program_block(head_programs, cfg.FLAT_GRID)
     heads = head_block * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
-    _rope_tile(tok_block, x, out, heads, 1, shape, tokens, angles, positions, cfg)
+    if cfg.NORM != NO_NORM and cfg.BACKWARD:
+        token_programs = _token_programs(head_programs, cfg)
+        dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_H, x, cfg)
+        for block in range(tok_block, tl.cdiv(num_tokens, cfg.BLOCK_T), token_programs):
+            d1, d2, d_pass = _rope_tile(block, x, out, heads, 1, shape, tokens, angles, positions,
+                                        norm, cfg)
+            dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
+        _store_dw(norm, tok_block * head_programs + head_block, heads, shape, dw1, dw2, dw_pass,
+                  cfg)
+    else:
+        _rope_tile(tok_block, x, out, heads, 1, shape, tokens, angles, positions, norm, cfg)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
-def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, num_tokens, seq_len, batch,
-                      cp_size, cp_rank, cfg: tl.constexpr):
-    """Fused QKV: one launch for q, k and v (each an InOut), `shape` a QKVShape. The head
-    programs of a token block first cover the query heads (kv_heads * q_per_kv, rotated with
-    q_angles), then the key heads (k_angles), each with its value heads copied through."""
-    tok_block, pid_h = _program_block(shape.q_programs + tl.cdiv(shape.kv_heads, cfg.BLOCK_KV),
-                                      cfg.FLAT_GRID)
+def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_norm, num_tokens,
+                      seq_len, batch, cp_size, cp_rank, cfg: tl.constexpr):
+    """Fused QKV: one launch for q, k and v (each an InOut), `shape` a QKVShape, q_norm and
+    k_norm the per-head norms of q and k (Norm, or None). The head programs of a token block
+    first cover the query heads (kv_heads * q_per_kv, rotated with q_angles), then the key
+    heads (k_angles), each with its value heads copied through."""
+    k_programs = tl.cdiv(shape.kv_heads, cfg.BLOCK_KV)
+    tok_block, pid_h = _program_block(shape.q_programs + k_programs, cfg.FLAT_GRID)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
     if pid_h < shape.q_programs:
         q_heads = pid_h * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
         q_shape = HeadShape(shape.kv_heads * shape.q_per_kv, shape.head_dim, shape.rotary_dim)
-        _rope_tile(tok_block, q.src, q.dst, q_heads, shape.q_per_kv, q_shape, tokens, q_angles,
-                   positions, cfg)
+        if cfg.NORM != NO_NORM and cfg.BACKWARD:
+            token_programs = _token_programs(shape.q_programs + k_programs, cfg)
+            dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_H, q.src, cfg)
+            for block in range(tok_block, tl.cdiv(num_tokens, cfg.BLOCK_T), token_programs):
+                d1, d2, d_pass = _rope_tile(block, q.src, q.dst, q_heads, shape.q_per_kv,
+                                            q_shape, tokens, q_angles, positions, q_norm, cfg)
+                dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
+            _store_dw(q_norm, tok_block * shape.q_programs + pid_h, q_heads, q_shape, dw1, dw2,
+                      dw_pass, cfg)
+        else:
+            _rope_tile(tok_block, q.src, q.dst, q_heads, shape.q_per_kv, q_shape, tokens,
+                       q_angles, positions, q_norm, cfg)
     else:
-        # Key heads, with the value heads of the same kv heads copied alongside: a key tile
-        # alone would be a small program (a quarter of a query tile under 4:1 GQA). The values
-        # are loaded first and stored last, so that their loads overlap the key tile's.
-        k_heads = (pid_h - shape.q_programs) * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
-        tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
-        v_heads = k_heads
-        dims = tl.arange(0, cfg.BLOCK_V)
-        if cfg.WIDE_INNER:
-            v_heads = v_heads.to(tl.int64)
-            dims = dims.to(tl.int64)
-        mask_v = (tok_ok[:, None, None] & (v_heads < shape.kv_heads)[None, :, None]
-                  & (dims < shape.v_dim)[None, None, :])
-        v_src = _tile_base(v.src, seq_idx, batch_idx, v_heads * v.src.strides[2])
-        values = tl.load(v_src + (dims * v.src.strides[3])[None, None, :], mask=mask_v)
+        k_program = pid_h - shape.q_programs
+        k_heads = k_program * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
         k_shape = HeadShape(shape.kv_heads, shape.head_dim, shape.rotary_dim)
-        _rope_tile(tok_block, k.src, k.dst, k_heads, 1, k_shape, tokens, k_angles, positions,
-                   cfg)
-        v_dst = _tile_base(v.dst, seq_idx, batch_idx, v_heads * v.dst.strides[2])
-        tl.store(v_dst + (dims * v.dst.strides[3])[None, None, :], values, mask=mask_v)
+        if cfg.NORM != NO_NORM and cfg.BACKWARD:
+            token_programs = _token_programs(shape.q_programs + k_programs, cfg)
+            dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_KV, k.src, cfg)
+            for block in range(tok_block, tl.cdiv(num_tokens, cfg.BLOCK_T), token_programs):
+                d1, d2, d_pass = _kv_tile(block, k, v, k_heads, k_shape, shape.v_dim, tokens,
+                                          k_angles, positions, k_norm, cfg)
+                dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
+            _store_dw(k_norm, tok_block * k_programs + k_program, k_heads, k_shape, dw1, dw2,
+                      dw_pass, cfg)
+        else:
+            _kv_tile(tok_block, k, v, k_heads, k_shape, shape.v_dim, tokens, k_angles, positions,
+                     k_norm, cfg)
+
+
+@triton.jit
+def _kv_tile(tok_block, k, v, k_heads, k_shape, v_dim, tokens, k_angles, positions, k_norm,
+             cfg: tl.constexpr):
+    """Key heads, with the value heads of the same kv heads copied alongside: a key tile alone
+    would be a small program (a quarter of a query tile under 4:1 GQA). The values are loaded
+    first and stored last, so that their loads overlap the key tile's. Returns what
+    `_rope_tile` returns."""
+    tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
+    v_heads = k_heads
+    dims = tl.arange(0, cfg.BLOCK_V)
+    if cfg.WIDE_INNER:
+        v_heads = v_heads.to(tl.int64)
+        dims = dims.to(tl.int64)
+    mask_v = (tok_ok[:, None, None] & (v_heads < k_shape.nheads)[None, :, None]
+              & (dims < v_dim)[None, None, :])
+    v_src = _tile_base(v.src, seq_idx, batch_idx, v_heads * v.src.strides[2])
+    values = tl.load(v_src + (dims * v.src.strides[3])[None, None, :], mask=mask_v)
+    dw = _rope_tile(tok_block, k.src, k.dst, k_heads, 1, k_shape, tokens, k_angles, positions,
+                    k_norm, cfg)
+    v_dst = _tile_base(v.dst, seq_idx, batch_idx, v_heads * v.dst.strides[2])
+    tl.store(v_dst + (dims * v.dst.strides[3])[None, None, :], values, mask=mask_v)
+    return dw
 
 
 @triton.jit
@@ -210,7 +283,7 @@ def _program_block(head_programs, FLAT_GRID: tl.constexpr):
 
 
 @triton.jit
-def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles, positions,
+def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles, positions, norm,
                cfg: tl.constexpr):
     """Rotate one tile: the program's BLOCK_T tokens times the given heads.
 
@@ -219,6 +292,11 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     the load latency is hidden. Head j of a view with 4 strides sits at j * stride_head;
     with 5 (the query heads of packed QKV) at (j // heads_per_group) * stride_group +
     (j % heads_per_group) * stride_head.
+
+    With a norm (`cfg.NORM`), the forward normalizes x before rotating it; the backward
+    rotates the gradient x back, then takes it through the norm's transpose, reading the
+    norm's input from norm.x. Returns the tile's dL/dweight ([H, BLOCK_HALF] for each member
+    of the pairs, [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of a norm.
     """
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
     mask_th = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]      # [T, H, 1]
@@ -229,34 +307,55 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     x_dim, out_dim = x.strides[-1], out.strides[-1]
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
-    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
     BLOCK_H: tl.constexpr = heads.shape[0]
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
 
     # Loads. Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
     # registers rather than gathered with stride 2.
     rotary_dim = shape.rotary_dim
     half = rotary_dim // 2
-    offs_k = tl.arange(0, BLOCK_HALF)
-    offs_d = tl.arange(0, 2 * BLOCK_HALF)
-    if cfg.WIDE_INNER:
-        offs_k = offs_k.to(tl.int64)
-        offs_d = offs_d.to(tl.int64)
     if cfg.INTERLEAVED:
-        mask = mask_th & (offs_d < rotary_dim)[None, None, :]
-        xs = tl.load(x_base + offs_d[None, None, :] * x_dim, mask=mask, other=0.0)
-        x1, x2 = tl.split(tl.reshape(xs.to(compute_dtype), [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
+        offs = tl.arange(0, 2 * BLOCK_HALF)            # the pairs' channels, in order
+        mask = mask_th & (offs < rotary_dim)[None, None, :]
     else:
-        mask = mask_th & (offs_k < half)[None, None, :]
-        x1_ptrs = x_base + offs_k[None, None, :] * x_dim
-        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(compute_dtype)
-        x2 = tl.load(x1_ptrs + half * x_dim, mask=mask, other=0.0).to(compute_dtype)
+        offs = tl.arange(0, BLOCK_HALF)                # the first members; the second: + half
+        mask = mask_th & (offs < half)[None, None, :]
+    if cfg.WIDE_INNER:
+        offs = offs.to(tl.int64)
+    x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, compute_dtype, cfg)
     if cfg.BLOCK_PASS > 0:
-        # Channels rotary_dim..head_dim are copied through.
+        # Channels rotary_dim..head_dim are copied through (normalized, with a norm).
         offs_p = rotary_dim + tl.arange(0, cfg.BLOCK_PASS)
         if cfg.WIDE_INNER:
             offs_p = offs_p.to(tl.int64)
         mask_p = mask_th & (offs_p < shape.head_dim)[None, None, :]
-        x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p)
+        if cfg.NORM != NO_NORM:
+            x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p, other=0.0)
+        else:
+            x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p)
+    elif cfg.NORM != NO_NORM:
+        # No channels past rotary_dim: the norm's sums over them see one masked-off channel.
+        offs_p = rotary_dim + tl.arange(0, 1)
+        mask_p = mask_th & (offs_p < rotary_dim)[None, None, :]
+        x_pass = tl.zeros([BLOCK_T, BLOCK_H, 1], compute_dtype)
+    if NORM_BACKWARD:
+        # The norm's input, loaded with the tile so that its loads are in flight together.
+        n_base = _tile_base(norm.x, seq_idx, batch_idx,
+                            _head_offsets(norm.x, heads, heads_per_group))
+        n_dim = norm.x.strides[-1]
+        n1, n2 = _load_pairs(n_base, n_dim, offs, half, mask, compute_dtype, cfg)
+        n_pass = tl.load(n_base + offs_p[None, None, :] * n_dim, mask=mask_p,
+                         other=0.0).to(compute_dtype)
+    if cfg.NORM != NO_NORM:
+        w1, w2, w_pass = _norm_weight(norm, heads, shape, offs, half, offs_p, compute_dtype, cfg)
+        width = shape.head_dim
+        if cfg.NORM == NORM_OVER_TOKEN:
+            width = shape.nheads * shape.head_dim
+        if not cfg.BACKWARD:
+            x_pass = x_pass.to(compute_dtype)
+            rstd = _rstd(x1, x2, x_pass, width, norm.eps, cfg)
+            x1, x2, x_pass = x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
 
     if cfg.IS_THD and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS:
         # ptxas issues the loads of the search for the tokens' sequences (a chain of
@@ -285,17 +384,156 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         # Tokens outside every sequence pass through unchanged.
         out1 = tl.where(in_seq[:, None, None], out1, x1)
         out2 = tl.where(in_seq[:, None, None], out2, x2)
+    if NORM_BACKWARD:
+        # out1, out2 and x_pass: the gradient of the normalized, weighted x.
+        out1, out2, x_pass, dw1, dw2, dw_pass = _rms_norm_backward(
+            out1, out2, x_pass.to(compute_dtype), n1, n2, n_pass, w1, w2, w_pass, width,
+            norm.eps, cfg)
 
     out_ty = out.ptr.dtype.element_ty
     if cfg.INTERLEAVED:
         result = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
-        tl.store(out_base + offs_d[None, None, :] * out_dim, result.to(out_ty), mask=mask)
+        tl.store(out_base + offs[None, None, :] * out_dim, result.to(out_ty), mask=mask)
     else:
-        out1_ptrs = out_base + offs_k[None, None, :] * out_dim
+        out1_ptrs = out_base + offs[None, None, :] * out_dim
         tl.store(out1_ptrs, out1.to(out_ty), mask=mask)
         tl.store(out1_ptrs + half * out_dim, out2.to(out_ty), mask=mask)
     if cfg.BLOCK_PASS > 0:
-        tl.store(out_base + offs_p[None, None, :] * out_dim, x_pass, mask=mask_p)
+        tl.store(out_base + offs_p[None, None, :] * out_dim, x_pass.to(out_ty), mask=mask_p)
+    if NORM_BACKWARD:
+        return dw1, dw2, dw_pass
+    return 0, 0, 0
+
+
+@triton.jit
+def _load_pairs(base, dim_stride, offs, half, mask, compute_dtype: tl.constexpr,
+                cfg: tl.constexpr):
+    """(x1, x2): the two members of each rotated pair of the rows at `base` [A, B, 1], as
+    [A, B, BLOCK_HALF] in compute_dtype; `offs` their channels (`_rope_tile`)."""
+    if cfg.INTERLEAVED:
+        A: tl.constexpr = base.shape[0]
+        B: tl.constexpr = base.shape[1]
+        BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+        xs = tl.load(base + offs[None, None, :] * dim_stride, mask=mask, other=0.0)
+        x1, x2 = tl.split(tl.reshape(xs.to(compute_dtype), [A, B, BLOCK_HALF, 2]))
+    else:
+        x1_ptrs = base + offs[None, None, :] * dim_stride
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(compute_dtype)
+        x2 = tl.load(x1_ptrs + half * dim_stride, mask=mask, other=0.0).to(compute_dtype)
+    return x1, x2
+
+
+@triton.jit
+def _norm_weight(norm, heads, shape, offs, half, offs_p, compute_dtype: tl.constexpr,
+                 cfg: tl.constexpr):
+    """(w1, w2, w_pass): the norm's weight plus its offset for the tile's channels, shaped to
+    broadcast against them ([1, 1, K] per head; [1, H, K] per token, where head j's weights
+    start at j * head_dim)."""
+    if cfg.NORM == NORM_OVER_TOKEN:
+        base = norm.weight + (heads * shape.head_dim)[None, :, None]
+        rows_ok = (heads < shape.nheads)[None, :, None]
+    else:
+        base = norm.weight + tl.zeros([1, 1, 1], tl.int32)
+        rows_ok = tl.full([1, 1, 1], 1, tl.int1)
+    if cfg.INTERLEAVED:
+        channels_ok = (offs < shape.rotary_dim)[None, None, :]
+    else:
+        channels_ok = (offs < half)[None, None, :]
+    w1, w2 = _load_pairs(base, 1, offs, half, rows_ok & channels_ok, compute_dtype, cfg)
+    w_pass = tl.load(base + offs_p[None, None, :],
+                     mask=rows_ok & (offs_p < shape.head_dim)[None, None, :], other=0.0)
+    return w1 + norm.offset, w2 + norm.offset, w_pass.to(compute_dtype) + norm.offset
+
+
+@triton.jit
+def _rstd(x1, x2, x_pass, width, eps, cfg: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) over each head's channels ([T, H, 1]) or each token's
+    ([T, 1, 1]); masked-off channels hold 0."""
+    squares = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2) + tl.sum(x_pass * x_pass, axis=2)
+    if cfg.NORM == NORM_OVER_TOKEN:
+        squares = tl.sum(squares, axis=1, keep_dims=True)
+    mean = squares / width + eps
+    if mean.dtype == tl.float64:
+        root = tl.sqrt(mean)
+    else:
+        root = tl.sqrt_rn(mean)       # correctly rounded, as torch's float32 sqrt
+    return (1.0 / root)[:, :, None]
+
+
+@triton.jit
+def _rms_norm_backward(g1, g2, g_pass, x1, x2, x_pass, w1, w2, w_pass, width, eps,
+                       cfg: tl.constexpr):
+    """The norm's transpose: g the gradient of its output (xhat * w), x its input. Returns
+    dx (both members of the pairs and the channels past them) and the tile's dL/dweight,
+    summed over its tokens: dx = rstd * (g * w - xhat * mean(g * w * xhat)), dw = g * xhat."""
+    rstd = _rstd(x1, x2, x_pass, width, eps, cfg)
+    xhat1, xhat2, xhat_pass = x1 * rstd, x2 * rstd, x_pass * rstd
+    gw1, gw2, gw_pass = g1 * w1, g2 * w2, g_pass * w_pass
+    dot = (tl.sum(gw1 * xhat1, axis=2) + tl.sum(gw2 * xhat2, axis=2)
+           + tl.sum(gw_pass * xhat_pass, axis=2))
+    if cfg.NORM == NORM_OVER_TOKEN:
+        dot = tl.sum(dot, axis=1, keep_dims=True)
+    mean = (dot / width)[:, :, None]
+    dx1 = rstd * (gw1 - xhat1 * mean)
+    dx2 = rstd * (gw2 - xhat2 * mean)
+    dx_pass = rstd * (gw_pass - xhat_pass * mean)
+    return (dx1, dx2, dx_pass, tl.sum(g1 * xhat1, axis=0), tl.sum(g2 * xhat2, axis=0),
+            tl.sum(g_pass * xhat_pass, axis=0))
+
+
+@triton.jit
+def _token_programs(head_programs, cfg: tl.constexpr):
+    """Programs along the tokens: the backward of a norm launches fewer than there are token
+    blocks, each looping over every token_programs-th block (`_program_block`'s layout)."""
+    if cfg.FLAT_GRID:
+        return tl.num_programs(0) // head_programs
+    return tl.num_programs(0)
+
+
+@triton.jit
+def _dw_zeros(BLOCK: tl.constexpr, x, cfg: tl.constexpr):
+    """Zero accumulators of dL/dweight for BLOCK heads, as `_rope_tile` returns it."""
+    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    BLOCK_PASS: tl.constexpr = max(cfg.BLOCK_PASS, 1)
+    return (tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
+            tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
+            tl.zeros([BLOCK, BLOCK_PASS], compute_dtype))
+
+
+@triton.jit
+def _store_dw(norm, row, heads, shape, dw1, dw2, dw_pass, cfg: tl.constexpr):
+    """Write a program's dL/dweight ([H, K] per member of the pairs and past them) as row
+    `row` of norm.partial: summed over the heads for a per-head norm ([d]), head j at
+    j * head_dim for a per-token one ([h * d])."""
+    if cfg.NORM == NORM_OVER_TOKEN:
+        base = norm.partial + row.to(tl.int64) * (shape.nheads * shape.head_dim)
+        base = base + (heads * shape.head_dim)[None, :, None]
+        rows_ok = (heads < shape.nheads)[None, :, None]
+    else:
+        base = norm.partial + row.to(tl.int64) * shape.head_dim + tl.zeros([1, 1, 1], tl.int32)
+        rows_ok = tl.full([1, 1, 1], 1, tl.int1)
+        dw1 = tl.sum(dw1, axis=0, keep_dims=True)
+        dw2 = tl.sum(dw2, axis=0, keep_dims=True)
+        dw_pass = tl.sum(dw_pass, axis=0, keep_dims=True)
+    half = shape.rotary_dim // 2
+    dw1, dw2, dw_pass = dw1[None, :, :], dw2[None, :, :], dw_pass[None, :, :]
+    ROWS: tl.constexpr = dw1.shape[1]
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    if cfg.INTERLEAVED:
+        offs = tl.arange(0, 2 * BLOCK_HALF)
+        tl.store(base + offs[None, None, :],
+                 tl.reshape(tl.join(dw1, dw2), [1, ROWS, 2 * BLOCK_HALF]),
+                 mask=rows_ok & (offs < shape.rotary_dim)[None, None, :])
+    else:
+        offs = tl.arange(0, BLOCK_HALF)
+        mask = rows_ok & (offs < half)[None, None, :]
+        tl.store(base + offs[None, None, :], dw1, mask=mask)
+        tl.store(base + half + offs[None, None, :], dw2, mask=mask)
+    if cfg.BLOCK_PASS > 0:
+        offs_p = shape.rotary_dim + tl.arange(0, cfg.BLOCK_PASS)
+        tl.store(base + offs_p[None, None, :], dw_pass,
+                 mask=rows_ok & (offs_p < shape.head_dim)[None, None, :])
 
 
 @triton.jit

@@ -19,11 +19,15 @@ from triton_rotary_kernel import (
     _INTERPRETING,
     AXIS_POSITIONS_TENSOR,
     IMPLICIT_POSITIONS,
+    NO_NORM,
+    NORM_OVER_HEAD,
+    NORM_OVER_TOKEN,
     POSITIONS_TENSOR,
     SEARCH_FAN,
     Angles,
     HeadShape,
     InOut,
+    Norm,
     Positions,
     QKVShape,
     Tokens,
@@ -55,9 +59,14 @@ SEARCH_TILE_BYTES = 8192
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
+# The backward of a norm launches about this many programs per SM along the tokens (each loops
+# over its share of the token blocks), so that the per-program partial sums of dL/dweight stay a
+# small fraction of the traffic.
+NORM_PROGRAMS_PER_SM = 8
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
+INTERPRETER_NORM_PROGRAMS = 2
 
 
 class LaunchRule(NamedTuple):
@@ -67,11 +76,14 @@ class LaunchRule(NamedTuple):
     min_programs_per_sm: int    # the interpreter counts as one SM
     search_tile_bytes: int
     qkv_tile_bytes: int
+    norm_programs_per_sm: int
 
 
-GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES)
+GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
+                      NORM_PROGRAMS_PER_SM)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
-                              INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES)
+                              INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
+                              INTERPRETER_NORM_PROGRAMS)
 _RULE_OVERRIDE = [None]
 
 
@@ -181,6 +193,90 @@ def check_layout(source, interleaved, freqs_name="freqs"):
     if source.interleaved is not None and source.interleaved != interleaved:
         raise ValueError(f"interleaved={interleaved} but {freqs_name} was built with "
                          f"interleaved={source.interleaved}")
+
+
+class RMSNorm(NamedTuple):
+    """An RMSNorm applied before the rotation: x / sqrt(mean(x^2) + eps) * (offset + weight),
+    the mean over each head's channels (`over="head"`, weight [d]) or over all heads of a token
+    (`over="token"`, weight [h * d])."""
+    weight: torch.Tensor
+    eps: float
+    offset: float
+    over: str
+
+
+NORM_OVER = {"head": NORM_OVER_HEAD.value, "token": NORM_OVER_TOKEN.value}
+
+
+def check_norm(norm, t, nheads, head_dim, prefix="norm_"):
+    """`norm` (an RMSNorm) fits a tensor t of nheads heads of head_dim channels; names its
+    fields with `prefix` (the entry points' argument names)."""
+    weight = norm.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{prefix}weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{prefix}weight must be float32, float16, bfloat16 or float64, got "
+                        f"{weight.dtype}")
+    if weight.device != t.device:
+        raise TypeError(f"{prefix}weight is on {weight.device} but the input is on {t.device}")
+    if not isinstance(norm.over, str) or norm.over not in NORM_OVER:
+        raise ValueError(f"norm_over must be 'head' or 'token', got {norm.over!r}")
+    size = head_dim if norm.over == "head" else nheads * head_dim
+    if weight.dim() != 1 or weight.numel() != size:
+        what = "d" if norm.over == "head" else "h * d"
+        raise ValueError(f"{prefix}weight must have shape [{what}] = [{size}] for "
+                         f"norm_over={norm.over!r}, got {tuple(weight.shape)}")
+    for name, value in (("norm_eps", norm.eps), ("norm_offset", norm.offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        if not abs(value) < float("inf"):
+            raise ValueError(f"{name} must be finite, got {value}")
+    if norm.eps < 0:
+        raise ValueError(f"norm_eps must be >= 0, got {norm.eps}")
+
+
+def _check_norm_input(norm_input, t, name="norm_input"):
+    """The backward of a norm reads the forward's input: a tensor like t."""
+    if not isinstance(norm_input, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (the forward's input), got "
+                        f"{type(norm_input).__name__}")
+    if norm_input.shape != t.shape or norm_input.dtype != t.dtype or norm_input.device != t.device:
+        raise ValueError(f"{name} must have the gradient's shape {tuple(t.shape)}, dtype {t.dtype} "
+                         f"and device {t.device}, got {tuple(norm_input.shape)} "
+                         f"{norm_input.dtype} {norm_input.device}")
+
+
+def _norm_key(norm):
+    """A norm's part of a plan key: the weight's metadata and the other fields."""
+    if not isinstance(norm, RMSNorm):
+        return (norm,)
+    weight = norm.weight
+    meta = (weight.shape, weight.stride(), weight.dtype, weight.device) if isinstance(
+        weight, torch.Tensor) else (type(weight),)
+    return (*meta, norm.eps, type(norm.eps), norm.offset, type(norm.offset), norm.over)
+
+
+def _weight_as_read(norm):
+    """The weight as the kernel reads it: unit stride, no negative bit."""
+    weight = norm.weight
+    if weight.is_neg() or weight.stride(0) != 1:
+        weight = weight.resolve_neg().contiguous()
+    return weight
+
+
+def norm_programs(token_blocks, head_programs, device, rule):
+    """Programs along the tokens for the backward of a norm: about rule.norm_programs_per_sm
+    per SM in all, each looping over its share of the token blocks."""
+    sms = 1 if _interpreting() else _num_sms(
+        device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(token_blocks, triton.cdiv(rule.norm_programs_per_sm * sms, head_programs)))
+
+
+def _weight_gradient(partial, norm):
+    """dL/dweight from the programs' partial sums (the second, deterministic pass)."""
+    if partial is None:
+        return torch.zeros_like(norm.weight)
+    return partial.sum(0).to(norm.weight.dtype)
 
 
 def _check_index_type(name, value, device, t_name):
@@ -377,11 +473,12 @@ def _num_sms(device_index: int) -> int:
 
 
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
-                  tile_bytes: int, rule: LaunchRule):
+                  tile_bytes: int, rule: LaunchRule, whole_tokens: bool = False):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
     autotuning). Large inputs get one tile shape whatever their length; only inputs too small
     to give every SM rule.min_programs_per_sm programs get smaller tiles (a bounded set of
-    compiled variants). `tile_bytes`: the data a tile holds (one of the rule's)."""
+    compiled variants). `tile_bytes`: the data a tile holds (one of the rule's).
+    `whole_tokens`: a tile holds all heads of its tokens (a norm over the whole token)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
@@ -392,7 +489,9 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     min_programs = rule.min_programs_per_sm * sms
     rows = triton.next_power_of_2(triton.cdiv(tile_bytes, row_bytes))
-    block_h = min(triton.next_power_of_2(shape.nheads), rows)
+    block_h = triton.next_power_of_2(shape.nheads)
+    if not whole_tokens:
+        block_h = min(block_h, rows)
     block_t = min(triton.next_power_of_2(shape.num_tokens), max(1, rows // block_h))
 
     def programs():
@@ -400,7 +499,7 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
 
     while block_t > 1 and programs() < min_programs:
         block_t //= 2
-    while block_h > 1 and programs() < min_programs:
+    while block_h > 1 and programs() < min_programs and not whole_tokens:
         block_h //= 2
     grid = (triton.cdiv(shape.num_tokens, block_t), triton.cdiv(shape.nheads, block_h))
     meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
@@ -553,6 +652,8 @@ class _Launch:
 def _as_group(value, group):
     """The plain tuple `value` as the NamedTuple `group`, and so its fields that are groups
     themselves (by the fields' annotations: InOut holds two Views)."""
+    if value is None:          # a group left out (no norm)
+        return None
     return group(*[_as_group(v, kind) if _is_group(kind) else v
                    for v, kind in zip(value, group.__annotations__.values())])
 
@@ -580,6 +681,8 @@ class _RopePlan(NamedTuple):
     position_strides: tuple = ()
     shape: tuple = ()            # HeadShape's fields
     tokens: Tokens = None
+    norm_input_strides: tuple = ()   # backward of a norm: of the forward's input
+    partial_shape: tuple = ()        # backward of a norm: of the partial sums of dL/dweight
 
 
 class _QKVPlan(NamedTuple):
@@ -592,6 +695,8 @@ class _QKVPlan(NamedTuple):
     position_strides: tuple = ()
     shape: tuple = ()            # QKVShape's fields
     tokens: Tokens = None
+    input_strides: tuple = ()    # backward of a norm: of the forward's q and k inside qkv
+    partial_shapes: tuple = ()   # backward of a norm: of q's and k's partial sums of dL/dweight
 
 
 # Launch plans keyed by everything the checks and the launch rule read (tensors' metadata,
@@ -672,9 +777,15 @@ def _positions_mode(source, positions):
 
 
 def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
-               interleaved, backward, out, positions, inverse):
+               interleaved, backward, out, positions, inverse, norm, norm_input):
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
                             cp_rank, interleaved, positions, inverse=inverse)
+    if norm is not None:
+        if not isinstance(norm, RMSNorm):
+            raise TypeError(f"norm must be an RMSNorm or None, got {type(norm).__name__}")
+        check_norm(norm, t, shape.nheads, shape.head_dim)
+        if backward:
+            _check_norm_input(norm_input, t)
     in_place = out is t
     if in_place and _overlaps_itself(t):
         raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
@@ -697,25 +808,34 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     rule = launch_rule()
+    # A norm covers every channel, so the channels past rotary_dim are written in place too.
     grid, tile = launch_config(
-        shape, t.device, copy_pass=not in_place, element_size=t.element_size(),
+        shape, t.device, copy_pass=not in_place or norm is not None,
+        element_size=t.element_size(),
         tile_bytes=rule.search_tile_bytes if is_thd and positions is None else rule.tile_bytes,
-        rule=rule)
+        rule=rule, whole_tokens=norm is not None and norm.over == "token")
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
-    grid, flat_grid = _program_grid(*grid)
+    token_blocks, head_programs = grid
+    norm_backward = norm is not None and backward
+    if norm_backward:
+        token_blocks = norm_programs(token_blocks, head_programs, t.device, rule)
+    grid, flat_grid = _program_grid(token_blocks, head_programs)
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=backward,
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
                   WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
                   POSITIONS_FROM=_positions_mode(source, positions), FLAT_GRID=flat_grid,
                   IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0,
-                  INVERSE=inverse)
+                  INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over])
     return _RopePlan(
-        _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape), grid, cfg, num_warps),
+        _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid, cfg,
+                num_warps),
         x_strides=x_strides, out_strides=out_strides,
         table=_table_layout(source),
         position_strides=_position_strides(positions, source, tensor_format),
         shape=(shape.nheads, shape.head_dim, shape.rotary_dim),
-        tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank))
+        tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank),
+        norm_input_strides=_token_strides(norm_input, tensor_format) if norm_backward else (),
+        partial_shape=(token_blocks * head_programs, norm.weight.numel()) if norm_backward else ())
 
 
 def _index_tensor(x):
@@ -725,7 +845,7 @@ def _index_tensor(x):
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                       cu_seqlens=None, cp_size=1, cp_rank=0, backward=False, out=None,
-                      positions=None, inverse=False):
+                      positions=None, inverse=False, norm=None, norm_input=None):
     """Check the arguments, allocate the output, set up the grid and launch `rotary_kernel`.
 
     `freqs` is a table tensor, a RotaryPositionEmbedding or an AngleSource. `t` may have any
@@ -733,6 +853,9 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     the gradient of the output and the result the gradient of the input. `out=t` rotates in
     place (channels past d2 are not touched); `t` must then not overlap itself in memory.
     `inverse=True` rotates by the negated angles (its backward: `backward=True` with it).
+    `norm` (an RMSNorm) normalizes t before the rotation (in place: every channel is
+    written); its backward needs `norm_input`, the forward's t, and returns (the gradient of
+    the input, the gradient of norm.weight).
     """
     if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
         if out is t:
@@ -741,23 +864,37 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
         t = t.resolve_neg()          # the kernel reads raw memory: apply the sign first
     if isinstance(out, torch.Tensor) and out is not t and out.is_neg():
         raise ValueError("out must not have the negative bit")
+    if isinstance(norm_input, torch.Tensor) and norm_input.is_neg():
+        norm_input = norm_input.resolve_neg()
     source = _as_source(freqs, "freqs")
     if start_positions is not None or cu_seqlens is not None or positions is not None:
         start_positions, cu_seqlens, positions = map(_index_tensor,
                                                       (start_positions, cu_seqlens, positions))
     tensors = (t, getattr(source, "angles", source), getattr(source, "pair_axis", None),
                start_positions, cu_seqlens, positions, None if out is t else out)
-    key = _metadata_key(tensors, ("rope", tensor_format, interleaved, cp_size, cp_rank,
-                                  backward, out is t, inverse, *_source_key(source)))
+    values = ("rope", tensor_format, interleaved, cp_size, cp_rank, backward, out is t, inverse,
+              *_source_key(source))
+    if norm is not None:
+        tensors += (norm_input,)
+        values += _norm_key(norm)
+    key = _metadata_key(tensors, values)
     plan = _cached_plan(key, lambda: _make_plan(t, source, tensor_format, start_positions,
                                                 cu_seqlens, cp_size, cp_rank, interleaved,
-                                                backward, out, positions, inverse))
+                                                backward, out, positions, inverse, norm,
+                                                norm_input))
     # After the plan, which validated out against t: whether they share memory is a matter
     # of data pointers, which no plan's key holds, so it is checked on every call.
     if out is not None and out is not t and _share_memory(out, t):
         raise ValueError("out must not share memory with t (pass out=t to rotate in place)")
     if out is None:
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    norm_group = partial = None
+    if norm is not None and plan.launch is not None:
+        if backward:
+            partial = torch.empty(plan.partial_shape, device=t.device,
+                                  dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+            norm_input = (norm_input, plan.norm_input_strides)
+        norm_group = (_weight_as_read(norm), norm.eps, norm.offset, norm_input, partial)
     if plan.launch is not None:
         # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(
@@ -766,7 +903,10 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
             _angles(source, plan.table),                                        # Angles
             (positions, plan.position_strides, start_positions, cu_seqlens),    # Positions
             plan.shape,                                                         # HeadShape
+            norm_group,                                                         # Norm or None
             *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
+    if norm is not None and backward:
+        return out, _weight_gradient(partial, norm)
     return out
 
 
@@ -807,14 +947,18 @@ def _seq_batch_strides(x: torch.Tensor, tensor_format: str):
     return (x.stride(0), x.stride(1)) if tensor_format == "sbhd" else (x.stride(1), x.stride(0))
 
 
+def _packed_views(packed, split):
+    """q, k and v inside a packed tensor; q as [.., kv heads, q heads per kv, d]."""
+    q_dim, k_dim, _ = split
+    return (packed[..., :q_dim].unflatten(-1, (q_dim // k_dim, k_dim)),
+            packed[..., q_dim:q_dim + k_dim], packed[..., q_dim + k_dim:])
+
+
 def _qkv_views(qkv, split, grads, result):
     """(source, destination) views of q, k and v for the kernel, in that order: forward from
     the packed tensor, backward into it; q as [.., kv heads, q heads per kv, d]."""
-    q_dim, k_dim, _ = split
-    q_per_kv, kv_heads = q_dim // k_dim, qkv.shape[2]
-    packed = qkv if grads is None else result
-    q_packed = packed[..., :q_dim].unflatten(-1, (q_per_kv, k_dim))
-    k_packed, v_packed = packed[..., q_dim:q_dim + k_dim], packed[..., q_dim + k_dim:]
+    q_per_kv, kv_heads = split[0] // split[1], qkv.shape[2]
+    q_packed, k_packed, v_packed = _packed_views(qkv if grads is None else result, split)
     if grads is None:
         return (q_packed, result[0].unflatten(2, (kv_heads, q_per_kv)), k_packed, result[1],
                 v_packed, result[2])
@@ -832,10 +976,28 @@ def qkv_outputs(qkv, split, grads=None):
             new(*lead, kv_heads, v_dim))
 
 
+def check_qkv_norms(qkv, split, q_norm, k_norm):
+    """The per-head norms of q and k (RMSNorm, both or neither) fit the packed qkv."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("give q_norm_weight and k_norm_weight together (or neither)")
+    if q_norm is None:
+        return
+    for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if not isinstance(norm, RMSNorm):
+            raise TypeError(f"{name} must be an RMSNorm or None, got {type(norm).__name__}")
+        if norm.over != "head":
+            raise ValueError(f"fused QKV normalizes each head (norm_over='head'), got "
+                             f"{norm.over!r}")
+    kv_heads, head_dim = qkv.shape[2], split[1]
+    check_norm(q_norm, qkv, kv_heads * (split[0] // head_dim), head_dim, prefix="q_norm_")
+    check_norm(k_norm, qkv, kv_heads, head_dim, prefix="k_norm_")
+
+
 def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_positions, interleaved,
-                   cp_size, cp_rank, grads, positions, inverse):
+                   cp_size, cp_rank, grads, positions, inverse, q_norm, k_norm):
     shape, split = check_qkv_args(qkv, q_source, k_source, split, tensor_format, start_positions,
                                   cp_size, cp_rank, interleaved, positions, inverse=inverse)
+    check_qkv_norms(qkv, split, q_norm, k_norm)
     q_dim, k_dim, v_dim = split
     kv_heads, q_per_kv = qkv.shape[2], q_dim // k_dim
     if grads is not None:
@@ -865,15 +1027,25 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
         block_kv //= 2
     q_programs = triton.cdiv(kv_heads * q_per_kv, tile["BLOCK_H"])
     k_programs = triton.cdiv(kv_heads, block_kv)
-    grid, flat_grid = _program_grid(grid[0], q_programs + k_programs, "qkv")
+    token_blocks = grid[0]
+    norm_backward = q_norm is not None and grads is not None
+    if norm_backward:
+        token_blocks = norm_programs(token_blocks, q_programs + k_programs, qkv.device, rule)
+    grid, flat_grid = _program_grid(token_blocks, q_programs + k_programs, "qkv")
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=grads is not None,
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
                   WIDE_INNER=widest > _INT32_MAX,
                   ANGLES_FROM_POSITIONS=q_source.from_positions,
                   POSITIONS_FROM=_positions_mode(q_source, positions), FLAT_GRID=flat_grid,
-                  BLOCK_KV=block_kv, BLOCK_V=block_v, INVERSE=inverse)
+                  BLOCK_KV=block_kv, BLOCK_V=block_v, INVERSE=inverse,
+                  NORM=NO_NORM.value if q_norm is None else NORM_OVER_HEAD.value)
+    input_strides = ()
+    if norm_backward:
+        input_strides = tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:])
+                              for x in _packed_views(qkv, split)[:2])
     return _QKVPlan(
-        _Launch(rotary_qkv_kernel, (InOut, InOut, InOut, Angles, Angles, Positions, QKVShape),
+        _Launch(rotary_qkv_kernel,
+                (InOut, InOut, InOut, Angles, Angles, Positions, QKVShape, Norm, Norm),
                 grid, cfg, num_warps),
         split,
         # (seq, batch, then the remaining dims) strides of each view
@@ -881,16 +1053,22 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
         q_table=_table_layout(q_source), k_table=_table_layout(k_source),
         position_strides=_position_strides(positions, q_source, tensor_format),
         shape=(kv_heads, q_per_kv, k_dim, shape.rotary_dim, v_dim, q_programs),  # QKVShape
-        tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank))
+        tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank),
+        input_strides=input_strides,
+        partial_shapes=((token_blocks * q_programs, k_dim), (token_blocks * k_programs, k_dim))
+        if norm_backward else ())
 
 
 def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
                           start_positions=None, interleaved=False, cp_size=1, cp_rank=0,
-                          grads=None, positions=None, inverse=False):
+                          grads=None, positions=None, inverse=False, q_norm=None, k_norm=None):
     """Fused QKV RoPE in one launch. Forward (grads=None): qkv [s, b, h_kv, q+k+v] (or bshd)
     -> (q [.., h_kv*q/d, d], k [.., h_kv, d], v [.., h_kv, v]), contiguous. Backward
     (grads=(dq, dk, dv), any strides): -> the packed gradient of qkv, contiguous.
-    `inverse=True`: q and k rotated by the negated angles (backward: that map's gradient)."""
+    `inverse=True`: q and k rotated by the negated angles (backward: that map's gradient).
+    q_norm, k_norm (RMSNorm over each head, both or neither) normalize q and k before the
+    rotation; their backward reads the forward's qkv (pass it as `qkv`) and returns (the packed
+    gradient, the gradient of q_norm.weight, that of k_norm.weight)."""
     if isinstance(qkv, torch.Tensor):
         qkv = qkv.resolve_neg()
     if grads is not None:
@@ -901,13 +1079,27 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
     tensors = (qkv, *[getattr(s, "angles", s) for s in sources],
                *[getattr(s, "pair_axis", None) for s in sources], start_positions, positions,
                *(grads or ()))
-    key = _metadata_key(tensors, ("qkv", _typed(split), tensor_format, interleaved, cp_size,
-                                  cp_rank, grads is None, inverse, *_source_key(sources[0]),
-                                  *_source_key(sources[1])))
+    values = ("qkv", _typed(split), tensor_format, interleaved, cp_size, cp_rank, grads is None,
+              inverse, *_source_key(sources[0]), *_source_key(sources[1]))
+    if q_norm is not None or k_norm is not None:
+        values += (*_norm_key(q_norm), *_norm_key(k_norm))
+    key = _metadata_key(tensors, values)
     plan = _cached_plan(key, lambda: _make_qkv_plan(
         qkv, *sources, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-        grads, positions, inverse))
+        grads, positions, inverse, q_norm, k_norm))
     result = qkv_outputs(qkv, plan.split, grads)
+    norms = (None, None)
+    q_partial = k_partial = None
+    if q_norm is not None and plan.launch is not None:
+        inputs = (None, None)
+        if grads is not None:
+            q_in, k_in, _ = _packed_views(qkv, plan.split)
+            inputs = ((q_in, plan.input_strides[0]), (k_in, plan.input_strides[1]))
+            dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+            q_partial, k_partial = (torch.empty(shape, device=qkv.device, dtype=dtype)
+                                    for shape in plan.partial_shapes)
+        norms = [(_weight_as_read(norm), norm.eps, norm.offset, x, partial)
+                 for norm, x, partial in zip((q_norm, k_norm), inputs, (q_partial, k_partial))]
     if plan.launch is not None:
         q_source, k_source = sources
         q_src, q_dst, k_src, k_dst, v_src, v_dst = _qkv_views(qkv, plan.split, grads, result)
@@ -921,5 +1113,8 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
             _angles(k_source, plan.k_table),                                    # k: Angles
             (positions, plan.position_strides, start_positions, None),          # Positions
             plan.shape,                                                         # QKVShape
+            *norms,                                                             # q, k: Norm
             *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
+    if q_norm is not None and grads is not None:
+        return result, _weight_gradient(q_partial, q_norm), _weight_gradient(k_partial, k_norm)
     return result
