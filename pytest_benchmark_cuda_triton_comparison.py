@@ -544,6 +544,106 @@ def test_gradient_penalty():
     torch.testing.assert_close(dw, 2 * 0.75 * c.pow(2).sum())
 
 
+def _norm64(x, weight, eps, offset, over):
+    """RMSNorm from its definition in float64: x [..., h, d] over each head's d channels, or
+    over all h * d of a token."""
+    x, weight = x.double(), weight.double()
+    rows = x.flatten(-2) if over == "token" else x
+    rows = rows / torch.sqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+    return rows.reshape(x.shape)
+
+
+# (tensor format, norm over, interleaved, rotary dim of a 16-channel head, angles)
+QK_NORM_CASES = [
+    ("sbhd", "head", False, 16, "table"),
+    ("bshd", "head", True, 10, "positions"),
+    ("sbhd", "token", False, 12, "positions"),
+    ("bshd", "token", True, 16, "table"),
+    ("thd", "head", False, 8, "positions"),
+    ("thd", "token", True, 16, "table"),
+]
+
+
+@pytest.mark.parametrize("fmt,over,interleaved,rotary_dim,angles", QK_NORM_CASES)
+def test_qk_norm_matches_its_definition(fmt, over, interleaved, rotary_dim, angles):
+    """RMSNorm (float64, from the definition) then the textbook rotation by e^{i theta}: the
+    whole head normalized, only rotary_dim channels rotated; float32 within 1e-5."""
+    torch.manual_seed(60)
+    module = RotaryPositionEmbedding(rotary_dim, interleaved=interleaved, device=DEVICE)
+    shape = {"sbhd": (9, 2, 3, 16), "bshd": (2, 9, 3, 16), "thd": (11, 3, 16)}[fmt]
+    t = torch.randn(shape, device=DEVICE) * 3
+    weight = torch.randn(16 if over == "head" else 48, device=DEVICE)
+    kwargs = dict(norm_weight=weight, norm_eps=1e-5, norm_offset=0.5, norm_over=over, interleaved=interleaved)
+    if fmt == "thd":
+        pos = torch.cat((torch.arange(4), torch.arange(7)))
+        kwargs["cu_seqlens"] = int_tensor([0, 4, 11])
+    else:
+        pos = torch.arange(9)[:, None].expand(9, 2) if fmt == "sbhd" else torch.arange(9)[None, :].expand(2, 9)
+    freqs = module if angles == "positions" else module(16)
+    out = apply_rotary_pos_emb(t, freqs, fmt, **kwargs)
+    ref = rotate64(_norm64(t, weight, 1e-5, 0.5, over), pair_positions(pos, rotary_dim // 2), module.inv_freq,
+                   interleaved)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+    # The unfused formula, which rounds the norm's output once before rotating, agrees.
+    unfused = apply_rotary_pos_emb(t, freqs, fmt, fused=False, **kwargs)
+    torch.testing.assert_close(unfused.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+QK_NORM_GRADCHECK_CASES = [
+    dict(tensor_format="sbhd", norm_over="head", rotary_dim=6),
+    dict(tensor_format="bshd", norm_over="token", interleaved=True, norm_offset=1.0),
+    dict(tensor_format="thd", norm_over="head", cu_seqlens=[0, 3, 4, 8], interleaved=True, inverse=True),
+    dict(tensor_format="thd", norm_over="token", cu_seqlens=[0, 2, 7], rotary_dim=4),
+    dict(tensor_format="sbhd", norm_over="head", angles="positions", start_positions=[2, 0]),
+]
+
+
+@pytest.mark.parametrize("case", QK_NORM_GRADCHECK_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_qk_norm_gradcheck_float64(case):
+    """The gradients of the input and of the weight, against finite differences, with the
+    backward's loop over several token blocks per program (a small launch rule)."""
+    case = dict(case)
+    rotary_dim = case.pop("rotary_dim", 8)
+    fmt, over = case["tensor_format"], case.pop("norm_over")
+    if "cu_seqlens" in case:
+        case["cu_seqlens"] = int_tensor(case["cu_seqlens"])
+    if "start_positions" in case:
+        case["start_positions"] = int_tensor(case["start_positions"])
+    tokens = int(case["cu_seqlens"][-1]) if fmt == "thd" else 0
+    shape = {"sbhd": (4, 2, 2, 10), "bshd": (2, 4, 2, 10), "thd": (tokens, 2, 10)}[fmt]
+    torch.manual_seed(61)
+    t = torch.randn(shape, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    weight = torch.randn(10 if over == "head" else 20, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    if case.pop("angles", "table") == "positions":
+        freqs = RotaryPositionEmbedding(rotary_dim, interleaved=case.get("interleaved", False), device=DEVICE)
+    else:
+        freqs = torch.randn(16, 1, 1, rotary_dim, device=DEVICE) * 3
+    rule = triton_rotary_launch.launch_rule()._replace(tile_bytes=256, search_tile_bytes=256, norm_programs_per_sm=1)
+    with triton_rotary_launch.use_launch_rule(rule):
+        assert torch.autograd.gradcheck(
+            lambda x, w: apply_rotary_pos_emb(x, freqs, norm_weight=w, norm_over=over, **case), (t, weight))
+
+
+def test_qk_norm_weight_gradient_is_deterministic_and_double_backward_raises():
+    """dL/dweight is summed in a fixed order: bitwise the same on every run. A backward that
+    records its own graph (double backward) is refused with an error that says so."""
+    torch.manual_seed(62)
+    t = torch.randn(64, 2, 4, 32, device=DEVICE, requires_grad=True)
+    weight = torch.randn(32, device=DEVICE, requires_grad=True)
+    freqs = RotaryPositionEmbedding(32, device=DEVICE)(64)
+    grad = torch.randn_like(t)
+    runs = [torch.autograd.grad(apply_rotary_pos_emb(t, freqs, norm_weight=weight), (t, weight), grad)
+            for _ in range(3)]
+    for dt, dw in runs[1:]:
+        assert torch.equal(dt, runs[0][0]) and torch.equal(dw, runs[0][1])
+    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\) through a fused QK-norm"):
+        torch.autograd.grad(apply_rotary_pos_emb(t, freqs, norm_weight=weight), t, grad, create_graph=True)
+    qkv = torch.randn(4, 2, 1, 96, device=DEVICE, requires_grad=True)
+    outs = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 32, 32], q_norm_weight=weight, k_norm_weight=weight)
+    with pytest.raises(RuntimeError, match="fused QK-norm"):
+        torch.autograd.grad(outs[0].sum(), qkv, create_graph=True)
+
+
 # =================================================================================================
 # == 3. transformers parity
 #    RoPE scaling, Hugging Face configs and M-RoPE, with transformers' own modules as the
@@ -832,6 +932,67 @@ def test_mrope_matches_transformers(interleaved):
         ref = rotate64(x.transpose(1, 2), pair_pos, emb.inv_freq, False).transpose(1, 2)
         assert rel_error(ours, ref) < EXACT_REL_TOL
         assert rel_error(ours, ref) < rel_error(hf_out, ref)
+
+
+# (model, its RMSNorm class, norm_offset, norm_over): Qwen3 and Gemma 3 normalize each head,
+# OLMo 2 the whole projection of a token.
+QK_NORM_MODELS = [("qwen3", "Qwen3RMSNorm", 0.0, "head"), ("gemma3", "Gemma3RMSNorm", 1.0, "head"),
+                  ("olmo2", "Olmo2RMSNorm", 0.0, "token")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model,norm_class,offset,over", QK_NORM_MODELS, ids=[m[0] for m in QK_NORM_MODELS])
+def test_qk_norm_matches_transformers(model, norm_class, offset, over, dtype):
+    """transformers' own RMSNorm module, then its apply_rotary_pos_emb (q [b, h, s, d]): the
+    same outputs and gradients (input and weight) as one fused call on the bshd view. In
+    bfloat16 the module rounds between norm and rotation and ours rounds once: ours is at
+    least as close to the float64 result, on average over the elements."""
+    tf = _transformers()
+    _quiet_transformers(tf)
+    import importlib
+    modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    torch.manual_seed(63)
+    b, s, h, d = 2, 24, 4, 32
+    norm = getattr(modeling, norm_class)(d if over == "head" else h * d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    norm = norm.to(dtype)
+    freqs = RotaryPositionEmbedding(d, device="cpu")(s)
+    cos, sin = freqs[:, 0, 0].cos()[None].to(dtype), freqs[:, 0, 0].sin()[None].to(dtype)
+    x = torch.randn(b, s, h, d, dtype=dtype) * 4
+    grad = torch.randn(b, s, h, d, dtype=dtype)
+
+    x_hf = x.clone().requires_grad_(True)
+    normed = norm(x_hf.flatten(-2)).unflatten(-1, (h, d)) if over == "token" else norm(x_hf)
+    hf_out, _ = modeling.apply_rotary_pos_emb(normed.transpose(1, 2), normed.transpose(1, 2), cos, sin)
+    hf_out = hf_out.transpose(1, 2)
+    hf_dx, hf_dw = torch.autograd.grad(hf_out, (x_hf, norm.weight), grad)
+
+    x_ours = x.to(DEVICE).requires_grad_(True)
+    weight = norm.weight.detach().to(DEVICE).requires_grad_(True)
+    kwargs = dict(norm_eps=1e-6, norm_offset=offset, norm_over=over)
+    out = apply_rotary_pos_emb(x_ours, freqs.to(DEVICE), "bshd", norm_weight=weight, **kwargs)
+    dx, dw = (g.cpu() for g in torch.autograd.grad(out, (x_ours, weight), grad.to(DEVICE)))
+    out = out.detach().cpu()
+    if not ON_GPU:
+        # Triton's interpreter converts float32 to bfloat16 by truncation (the GPU rounds to
+        # nearest even): the kernel's single rounding is taken from its float32 result here.
+        out = apply_rotary_pos_emb(x.float().to(DEVICE), freqs.to(DEVICE), "bshd",
+                                   norm_weight=weight.detach().float(), **kwargs).cpu().to(dtype)
+
+    exact = rotate64(_norm64(x, norm.weight.detach(), 1e-6, offset, over), pair_positions(torch.arange(s), d // 2),
+                     RotaryPositionEmbedding(d, device="cpu").inv_freq, False)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, hf_out.detach(), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(dx, hf_dx, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(dw, hf_dw, atol=1e-4, rtol=1e-5)
+    else:
+        mean_error = lambda y: (y.double() - exact).abs().mean().item()      # noqa: E731
+        assert mean_error(out) <= mean_error(hf_out.detach()), (mean_error(out), mean_error(hf_out.detach()))
+        torch.testing.assert_close(out, hf_out.detach(), atol=0.25, rtol=0.05)
+        scale = lambda y: y.abs().max().item()                                # noqa: E731
+        assert (dx - hf_dx).abs().max() <= 0.05 * scale(hf_dx)
+        assert (dw - hf_dw).abs().max() <= 0.05 * scale(hf_dw)
 
 
 # =================================================================================================
@@ -1634,6 +1795,77 @@ def test_inverse_undoes_the_rotation():
         torch.testing.assert_close(got, want.reshape(got.shape), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("over", ["head", "token"])
+def test_qk_norm_inplace_and_no_grad_match_the_recorded_call(over):
+    """In place, every channel is normalized (the rotated ones and those past rotary_dim);
+    a call under no_grad takes the no-autograd path; both equal the recorded call bitwise."""
+    torch.manual_seed(64)
+    t = torch.randn(8, 2, 3, 16, device=DEVICE)
+    weight = torch.randn(16 if over == "head" else 48, device=DEVICE)
+    freqs = RotaryPositionEmbedding(16, rotary_percent=0.5, device=DEVICE)(8)
+    kwargs = dict(norm_weight=weight, norm_over=over, norm_offset=1.0)
+    recorded = apply_rotary_pos_emb(t.clone().requires_grad_(True), freqs, **kwargs)
+    assert recorded.grad_fn is not None
+    with torch.no_grad():
+        plain = apply_rotary_pos_emb(t, freqs, **kwargs)
+        inplace = t.clone()
+        assert apply_rotary_pos_emb_inplace(inplace, freqs, **kwargs) is inplace
+    assert plain.grad_fn is None
+    assert torch.equal(plain, recorded.detach()) and torch.equal(inplace, plain)
+    assert not torch.equal(inplace[..., 8:], t[..., 8:])          # normalized, not copied
+    with pytest.raises(ValueError, match="norm_weight requires grad"):
+        apply_rotary_pos_emb_inplace(t.clone(), freqs, norm_weight=weight.requires_grad_(True))
+
+
+def test_qk_norm_zero_size_inputs():
+    """No tokens: an empty result, and a zero weight gradient of the weight's shape."""
+    weight = torch.randn(16, device=DEVICE, requires_grad=True)
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    for shape, fmt, extra in (((0, 2, 3, 16), "sbhd", {}), ((0, 3, 16), "thd", dict(cu_seqlens=int_tensor([0, 0])))):
+        t = torch.randn(shape, device=DEVICE, requires_grad=True)
+        out = apply_rotary_pos_emb(t, freqs, fmt, norm_weight=weight, **extra)
+        assert out.shape == t.shape
+        dt, dw = torch.autograd.grad(out, (t, weight), torch.ones_like(out))
+        assert dt.shape == t.shape and torch.equal(dw, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_qk_norm_fused_qkv_matches_separate_calls(interleaved):
+    """Fused QKV with per-head norms of q and k equals normalizing and rotating q and k apart
+    (v copied), forward and backward, the weights' gradients included."""
+    torch.manual_seed(65)
+    kv_heads, q_per_kv, d = 2, 3, 16
+    qkv = torch.randn(6, 2, kv_heads, (q_per_kv + 2) * d, device=DEVICE)
+    q_freqs = RotaryPositionEmbedding(12, interleaved=interleaved, device=DEVICE)(6)
+    k_freqs = q_freqs * 0.5
+    wq, wk = torch.randn(d, device=DEVICE), torch.randn(d, device=DEVICE)
+    split = [q_per_kv * d, d, d]
+    norms = dict(norm_eps=1e-5, norm_offset=0.25)
+
+    x = qkv.clone().requires_grad_(True)
+    q_w, k_w = wq.clone().requires_grad_(True), wk.clone().requires_grad_(True)
+    fused = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, split, interleaved=interleaved,
+                                           q_norm_weight=q_w, k_norm_weight=k_w, **norms)
+    grads = [torch.randn_like(o) for o in fused]
+    fused_grads = torch.autograd.grad(fused, (x, q_w, k_w), grads)
+
+    y = qkv.clone().requires_grad_(True)
+    q_w2, k_w2 = wq.clone().requires_grad_(True), wk.clone().requires_grad_(True)
+    q, k, v = torch.split(y, split, dim=-1)
+    q = q.unflatten(-1, (q_per_kv, d)).flatten(2, 3)
+    apart = (apply_rotary_pos_emb(q, q_freqs, interleaved=interleaved, norm_weight=q_w2, **norms),
+             apply_rotary_pos_emb(k, k_freqs, interleaved=interleaved, norm_weight=k_w2, **norms), v)
+    apart_grads = torch.autograd.grad(apart, (y, q_w2, k_w2), grads)
+    for a, b in zip(fused, apart):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    for a, b in zip(fused_grads, apart_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    unfused = apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, split, interleaved=interleaved, fused=False,
+                                             q_norm_weight=wq, k_norm_weight=wk, **norms)
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a.detach(), b, atol=1e-5, rtol=1e-5)
+
+
 # =================================================================================================
 # == 6. Errors
 #    Bad input raises a ValueError or TypeError naming the argument.
@@ -1756,6 +1988,26 @@ BAD_INPUTS = [
     ("freqs on another device", lambda a: a.update(freqs=a["freqs"].to("meta")), TypeError, "freqs is on meta"),
     ("cu_seqlens on another device", lambda a: a.update(_thd_args(cu_seqlens=int_tensor([0, 6]).to("meta"))), TypeError,
      "cu_seqlens is on meta"),
+    ("norm_weight not a tensor", lambda a: a.update(norm_weight=[1.0] * 16), TypeError,
+     "norm_weight must be a torch.Tensor"),
+    ("norm_weight integer", lambda a: a.update(norm_weight=torch.ones(16, dtype=torch.int32, device=DEVICE)),
+     TypeError, "norm_weight must be float32"),
+    ("norm_weight on another device", lambda a: a.update(norm_weight=torch.ones(16, device="meta")), TypeError,
+     "norm_weight is on meta"),
+    ("norm_weight of h * d per head", lambda a: a.update(norm_weight=torch.ones(48, device=DEVICE)), ValueError,
+     "norm_weight must have shape [d] = [16] for norm_over='head', got (48,)"),
+    ("norm_weight of d per token", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE), norm_over="token"),
+     ValueError, "norm_weight must have shape [h * d] = [48] for norm_over='token'"),
+    ("norm_weight 2-D", lambda a: a.update(norm_weight=torch.ones(1, 16, device=DEVICE)), ValueError,
+     "norm_weight must have shape [d]"),
+    ("norm_over unknown", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE), norm_over="channel"),
+     ValueError, "norm_over must be 'head' or 'token', got 'channel'"),
+    ("norm_eps negative", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE), norm_eps=-1e-6), ValueError,
+     "norm_eps must be >= 0"),
+    ("norm_eps a string", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE), norm_eps="1e-6"), TypeError,
+     "norm_eps must be a float, got str"),
+    ("norm_offset nan", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE), norm_offset=float("nan")),
+     ValueError, "norm_offset must be finite"),
 ]
 
 
@@ -1794,6 +2046,14 @@ _QKV_BAD = [  # (how to break the valid call, error, text naming the argument)
     (lambda a: a.update(q_freqs=RotaryPositionEmbedding(8, device=DEVICE)), TypeError,
      "q_freqs and k_freqs must be of one kind"),
     (lambda a: a.update(inverse="yes"), TypeError, "inverse must be a bool, got str"),
+    (lambda a: a.update(q_norm_weight=torch.ones(8, device=DEVICE)), ValueError,
+     "give q_norm_weight and k_norm_weight together"),
+    (lambda a: a.update(q_norm_weight=torch.ones(8, device=DEVICE), k_norm_weight=torch.ones(16, device=DEVICE)),
+     ValueError, "k_norm_weight must have shape [d] = [8]"),
+    (lambda a: a.update(q_norm_weight=torch.ones(8, device="meta"), k_norm_weight=torch.ones(8, device=DEVICE)),
+     TypeError, "q_norm_weight is on meta"),
+    (lambda a: a.update(q_norm_weight=torch.ones(8, device=DEVICE), k_norm_weight=torch.ones(8, device=DEVICE),
+                        norm_eps=None), TypeError, "norm_eps must be a float, got NoneType"),
 ]
 
 
@@ -2015,6 +2275,30 @@ def test_torch_compile_inverse_round_trip():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+def test_torch_compile_qk_norm():
+    """fullgraph=True through the QK-norm forms of both entry points: the same outputs and
+    gradients (inputs and weights) as eager."""
+    torch.manual_seed(46)
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+
+    def step(x, qkv, w, wq, wk):
+        y = apply_rotary_pos_emb(x, freqs, norm_weight=w, norm_over="token")
+        q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], q_norm_weight=wq,
+                                                 k_norm_weight=wk, norm_offset=1.0)
+        return y.square().sum() + (q * 2).sum() + k.square().sum() + v.sum()
+
+    inputs = [torch.randn(8, 2, 3, 16, device=DEVICE), torch.randn(8, 2, 1, 64, device=DEVICE),
+              torch.randn(48, device=DEVICE), torch.randn(16, device=DEVICE), torch.randn(16, device=DEVICE)]
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (compiled, step):
+        args = [x.clone().requires_grad_(True) for x in inputs]
+        loss = fn(*args)
+        results.append((loss, *torch.autograd.grad(loss, args)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
 def test_cuda_graph_capture_and_replay():
     torch.manual_seed(11)
     freqs = RotaryPositionEmbedding(64, device=DEVICE)(40)
@@ -2111,11 +2395,27 @@ def _opcheck_cases():
         ("qkv_rope_backward", ops.qkv_rope_backward.default,
          (*grads, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0, None,
           False)),
+        ("rope norm", ops.rope.default,
+         (t, *table, "sbhd", None, False, None, 1, 0, None, False, False, torch.randn(20, device=DEVICE), 1e-6, 0.0,
+          "token")),
+        ("rope_ norm", ops.rope_.default,
+         (t.clone(), *angles, "sbhd", None, True, None, 1, 0, None, False, False, torch.randn(10, device=DEVICE),
+          1e-6, 1.0, "head")),
+        ("rope_norm_backward", ops.rope_norm_backward.default,
+         (torch.randn_like(t), t, *table, "sbhd", None, False, None, 1, 0, None, False, True,
+          torch.randn(10, device=DEVICE), 1e-6, 0.5, "head")),
+        ("qkv_rope norm", ops.qkv_rope.default,
+         (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None,
+          False, torch.randn(10, device=DEVICE), torch.randn(10, device=DEVICE), 1e-6, 0.0)),
+        ("qkv_rope_norm_backward", ops.qkv_rope_norm_backward.default,
+         (*grads, qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0,
+          None, False, torch.randn(10, device=DEVICE), torch.randn(10, device=DEVICE), 1e-6, 1.0)),
     ]
 
 
 _OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd inverse", "rope_ table",
-                  "rope_ module inverse", "qkv_rope table", "qkv_rope module inverse", "qkv_rope_backward")
+                  "rope_ module inverse", "qkv_rope table", "qkv_rope module inverse", "qkv_rope_backward",
+                  "rope norm", "rope_ norm", "rope_norm_backward", "qkv_rope norm", "qkv_rope_norm_backward")
 
 
 @pytest.mark.parametrize("name", _OPCHECK_NAMES)

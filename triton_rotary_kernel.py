@@ -191,7 +191,8 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
     if cfg.NORM != NO_NORM and cfg.BACKWARD:
         token_programs = _token_programs(head_programs, cfg)
         dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_H, x, cfg)
-        for block in range(tok_block, tl.cdiv(num_tokens, cfg.BLOCK_T), token_programs):
+        for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
+            block = tok_block + i * token_programs
             d1, d2, d_pass = _rope_tile(block, x, out, heads, 1, shape, tokens, angles, positions,
                                         norm, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
@@ -217,7 +218,8 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         if cfg.NORM != NO_NORM and cfg.BACKWARD:
             token_programs = _token_programs(shape.q_programs + k_programs, cfg)
             dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_H, q.src, cfg)
-            for block in range(tok_block, tl.cdiv(num_tokens, cfg.BLOCK_T), token_programs):
+            for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
+                block = tok_block + i * token_programs
                 d1, d2, d_pass = _rope_tile(block, q.src, q.dst, q_heads, shape.q_per_kv,
                                             q_shape, tokens, q_angles, positions, q_norm, cfg)
                 dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
@@ -233,7 +235,8 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         if cfg.NORM != NO_NORM and cfg.BACKWARD:
             token_programs = _token_programs(shape.q_programs + k_programs, cfg)
             dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_KV, k.src, cfg)
-            for block in range(tok_block, tl.cdiv(num_tokens, cfg.BLOCK_T), token_programs):
+            for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
+                block = tok_block + i * token_programs
                 d1, d2, d_pass = _kv_tile(block, k, v, k_heads, k_shape, shape.v_dim, tokens,
                                           k_angles, positions, k_norm, cfg)
                 dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
@@ -488,6 +491,14 @@ def _token_programs(head_programs, cfg: tl.constexpr):
     if cfg.FLAT_GRID:
         return tl.num_programs(0) // head_programs
     return tl.num_programs(0)
+
+
+@triton.jit
+def _own_blocks(tok_block, token_programs, num_tokens, cfg: tl.constexpr):
+    """How many token blocks program `tok_block` handles: tok_block, tok_block +
+    token_programs, ... below the last (the loop counts them, so that the block index stays a
+    tensor in the interpreter too)."""
+    return tl.cdiv(tl.cdiv(num_tokens, cfg.BLOCK_T) - tok_block, token_programs)
 
 
 @triton.jit

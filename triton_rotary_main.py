@@ -6,6 +6,7 @@
     freqs = rope(max_seq_len=4096)                                    # TE's table [s2, 1, 1, d2]
     q = apply_rotary_pos_emb(q, freqs, tensor_format="sbhd")          # Triton, autograd-aware
     q = apply_rotary_pos_emb(q, rope, positions=pos)                  # exact angles, no table
+    q = apply_rotary_pos_emb(q, freqs, norm_weight=q_norm.weight)     # Qwen3's QK-norm, fused
     q_ref = apply_rotary_pos_emb(q, freqs, fused=False)               # pure-PyTorch formula
 """
 
@@ -17,9 +18,12 @@ import torch
 
 from triton_rotary_launch import (
     AngleSource,
+    RMSNorm,
     angle_source,
     check_layout,
+    check_norm,
     check_qkv_args,
+    check_qkv_norms,
     check_rope_args,
     qkv_outputs,
     set_rotary_kernel,
@@ -27,8 +31,8 @@ from triton_rotary_launch import (
 )
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "apply_fused_qkv_rotary_pos_emb",
-           "RopeForwardAndBackward", "FusedQKVRopeForwardAndBackward", "RotaryPositionEmbedding",
-           "token_positions"]
+           "RopeForwardAndBackward", "RopeNormForwardAndBackward", "FusedQKVRopeForwardAndBackward",
+           "FusedQKVRopeNormForwardAndBackward", "RotaryPositionEmbedding", "token_positions"]
 
 
 # rope_type -> how its parameters are read; "mrope" is Qwen2-VL's legacy name for the default
@@ -384,6 +388,7 @@ class RopeCall(NamedTuple):
     positions: Optional[torch.Tensor]
     inverse: bool           # rotate by the negated angles
     transpose: bool         # the transpose of that rotation (the backward)
+    norm: Optional[RMSNorm] = None    # QK-norm before the rotation
 
 
 # The tensors a call's backward reads besides the gradient go through ctx.save_for_backward, so
@@ -415,6 +420,51 @@ def _backward_rope_call(ctx):
                     positions, call.inverse, not call.transpose)
 
 
+def _rms_norm(weight, eps, offset, over, prefix="norm_"):
+    """The entry points' norm arguments as an RMSNorm (None without a weight); the weight
+    itself is checked against the input with the rest of the call (`check_norm`)."""
+    if weight is None:
+        return None
+    for name, value in ((f"{prefix}eps", eps), (f"{prefix}offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    return RMSNorm(weight, float(eps), float(offset), over)
+
+
+def _refuse_double_backward():
+    """The QK-norm backward launches are not differentiable: under create_graph=True (double
+    backward, gradient penalties) say so instead of returning a gradient without a graph."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("double backward (create_graph=True) through a fused QK-norm call is not "
+                           "supported; call with fused=False for a twice-differentiable QK-norm")
+
+
+class RopeNormForwardAndBackward(torch.autograd.Function):
+    """QK-norm then RoPE: one launch forward (normalize, weight, rotate) and one backward
+    (rotate back, the norm's transpose, dL/dweight as partial sums), then the partial sums'
+    reduction. The backward is not itself differentiable: double backward raises
+    (`_refuse_double_backward`)."""
+
+    @staticmethod
+    def forward(ctx, t, weight, call):
+        source = call.source
+        ctx.save_for_backward(t, weight, source.angles, source.pair_axis, call.start_positions,
+                              call.cu_seqlens, call.positions)
+        ctx.call = call
+        return _rope(t, call)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _refuse_double_backward()
+        t, weight, angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
+        call = ctx.call
+        call = RopeCall(_source_with(call.source, angles, pair_axis), call.tensor_format,
+                        start_positions, call.interleaved, cu_seqlens, call.cp_size, call.cp_rank,
+                        positions, call.inverse, True, call.norm._replace(weight=weight))
+        grad_t, grad_weight = _rope_norm_backward(grad_out, t, call)
+        return grad_t, grad_weight, None
+
+
 class RopeForwardAndBackward(torch.autograd.Function):
     """Autograd wiring: forward and backward are each one launch of `rotary_kernel`. The
     backward is this function again with the rotation transposed, so under
@@ -442,43 +492,56 @@ class RopeForwardAndBackward(torch.autograd.Function):
 # it and `_rope_call` / `_qkv_call` read it back.
 _ROPE_CALL_SCHEMA = ("Tensor angles, Tensor? pair_axis, bool from_positions, int n_axes, float scale, "
                      "str tensor_format, Tensor? start_positions, bool interleaved, Tensor? cu_seqlens, "
-                     "int cp_size, int cp_rank, Tensor? positions, bool inverse, bool backward")
+                     "int cp_size, int cp_rank, Tensor? positions, bool inverse, bool backward, "
+                     "Tensor? norm_weight=None, float norm_eps=0.0, float norm_offset=0.0, "
+                     "str norm_over=\"head\"")
 
 
 def _rope_op_args(call):
     """A RopeCall as the rope ops' arguments, in _ROPE_CALL_SCHEMA's order."""
-    src = call.source
+    src, norm = call.source, call.norm or RMSNorm(None, 0.0, 0.0, "head")
     return (src.angles, src.pair_axis, src.from_positions, src.n_axes, src.scale,
             call.tensor_format, call.start_positions, call.interleaved, call.cu_seqlens,
-            call.cp_size, call.cp_rank, call.positions, call.inverse, call.transpose)
+            call.cp_size, call.cp_rank, call.positions, call.inverse, call.transpose, *norm)
 
 
 def _rope_call(angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
-               interleaved, cu_seqlens, cp_size, cp_rank, positions, inverse, transpose):
+               interleaved, cu_seqlens, cp_size, cp_rank, positions, inverse, transpose,
+               norm_weight=None, norm_eps=0.0, norm_offset=0.0, norm_over="head"):
     """The rope ops' arguments back into a RopeCall. The module's pair layout is not among
     them: it is checked before a call is flattened (`_compiled_or_eager`)."""
+    norm = None if norm_weight is None else RMSNorm(norm_weight, norm_eps, norm_offset, norm_over)
     return RopeCall(AngleSource(angles, from_positions, pair_axis, n_axes, scale, None),
                     tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                    positions, inverse, transpose)
+                    positions, inverse, transpose, norm)
 
 
 def _check_rope_call(t, call):
-    check_rope_args(t, call.source, call.tensor_format, call.start_positions, call.cu_seqlens,
-                    call.cp_size, call.cp_rank, call.interleaved, call.positions, need_kernel=False,
-                    inverse=call.inverse)
+    shape = check_rope_args(t, call.source, call.tensor_format, call.start_positions,
+                            call.cu_seqlens, call.cp_size, call.cp_rank, call.interleaved,
+                            call.positions, need_kernel=False, inverse=call.inverse)
+    if call.norm is not None:
+        check_norm(call.norm, t, shape.nheads, shape.head_dim)
 
 
 def _rope_eager(t, call):
     """`call` on t, straight to the launcher."""
     return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                             call.transpose, None, call.positions, call.inverse)
+                             call.transpose, None, call.positions, call.inverse, call.norm)
 
 
 def _rope_inplace_eager(t, call):
     set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions, call.interleaved,
                       call.cu_seqlens, call.cp_size, call.cp_rank, call.transpose, out=t,
-                      positions=call.positions, inverse=call.inverse)
+                      positions=call.positions, inverse=call.inverse, norm=call.norm)
+
+
+def _rope_norm_backward_eager(grad, t, call):
+    """(the gradient of t, of the norm's weight) of a QK-norm call, from t, the forward's input."""
+    return set_rotary_kernel(grad, call.source, call.tensor_format, call.start_positions,
+                             call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
+                             True, None, call.positions, call.inverse, call.norm, norm_input=t)
 
 
 @torch.library.custom_op("triton_rotary::rope", mutates_args=(),
@@ -504,9 +567,30 @@ def _(t, *args):
     _check_rope_call(t, _rope_call(*args))
 
 
+@torch.library.custom_op("triton_rotary::rope_norm_backward", mutates_args=(),
+                         schema=f"(Tensor grad, Tensor t, {_ROPE_CALL_SCHEMA}) -> (Tensor, Tensor)")
+def _rope_norm_backward_op(grad, t, *args):
+    return _rope_norm_backward_eager(grad, t, _rope_call(*args))
+
+
+@_rope_norm_backward_op.register_fake
+def _(grad, t, *args):
+    call = _rope_call(*args)
+    _check_rope_call(t, call)
+    return (torch.empty(t.shape, dtype=t.dtype, device=t.device),
+            torch.empty_like(call.norm.weight))
+
+
 def _rope(t, call):
     """One launch of rotary_kernel: `call` on t."""
     return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args)
+
+
+def _rope_norm_backward(grad, t, call):
+    """One launch of rotary_kernel and the weight gradient's reduction: the backward of a
+    QK-norm call."""
+    return _compiled_or_eager(_rope_norm_backward_op, _rope_norm_backward_eager, (grad, t), call,
+                              _rope_op_args)
 
 
 def _qkv(qkv, call):
@@ -602,20 +686,34 @@ def _pair_angles_to_channels(angles, interleaved):
     return torch.cat((angles, angles), dim=-1)
 
 
+def _unfused_norm(t, norm, nheads, head_dim):
+    """RMSNorm of t in plain PyTorch: statistics and weighting in float32 (float64 for float64
+    t), rounded once to t's dtype, as Gemma 3's RMSNorm rounds."""
+    check_norm(norm, t, nheads, head_dim)
+    x = t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    rows = x.flatten(-2) if norm.over == "token" else x
+    rows = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + norm.eps)
+    rows = rows * (norm.offset + norm.weight.to(x.dtype))
+    return rows.view(x.shape).to(t.dtype)
+
+
 def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                  cp_rank, positions=None, inverse=False):
+                  cp_rank, positions=None, inverse=False, norm=None):
     """TE's unfused formula in plain PyTorch ops (autograd by PyTorch): cos/sin in float32,
     cast to t's dtype, then t * cos + rotate_half(t) * sin on the first d2 channels. For a
     RotaryPositionEmbedding, each angle is position * inv_freq computed in float64 (exact),
     its cos/sin rounded to float32 and scaled by the attention factor.
     Same conventions as the kernel off the happy path: tokens outside every thd sequence pass
     through; tokens whose position falls outside a freqs table get NaN in their rotated
-    channels. `inverse` negates the angles: t * cos - rotate_half(t) * sin."""
+    channels. `inverse` negates the angles: t * cos - rotate_half(t) * sin. `norm` (an
+    RMSNorm) normalizes t first (`_unfused_norm`)."""
     shape = check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
                             cp_rank, interleaved, positions, need_kernel=False, inverse=inverse)
     source = angle_source(freqs)
     if t.is_neg():
         t = t.resolve_neg()
+    if norm is not None:
+        t = _unfused_norm(t, norm, shape.nheads, shape.head_dim)
     pos, in_seq = token_positions(shape, tensor_format, start_positions, cu_seqlens, cp_size,
                                   cp_rank, device=t.device, positions=positions,
                                   n_axes=source.n_axes)
@@ -656,9 +754,11 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
                          interleaved: bool = False, fused: bool = True,
                          cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
                          cp_rank: int = 0, positions: Optional[torch.Tensor] = None,
-                         inverse: bool = False) -> torch.Tensor:
+                         inverse: bool = False, norm_weight: Optional[torch.Tensor] = None,
+                         norm_eps: float = 1e-6, norm_offset: float = 0.0,
+                         norm_over: str = "head") -> torch.Tensor:
     """Apply rotary position embedding to `t` (Transformer Engine's signature and semantics,
-    plus angles from positions and the inverse rotation).
+    plus angles from positions, the inverse rotation and a fused QK-norm).
 
     t:               [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd); float32,
                      float16, bfloat16 (float64 also works, computed in float64). Any strides.
@@ -681,18 +781,35 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     inverse:         rotate by the negated angles, t * cos - rotate_half(t) * sin (undoes the
                      rotation; RoPE applied to attention values and outputs, as DeepSeek-V4
                      does). Its gradient is the rotation by the angles.
+    norm_weight:     QK-norm: RMSNorm t before rotating it, in the same launch,
+                     x * rsqrt(mean(x^2) + norm_eps) * (norm_offset + norm_weight), the mean
+                     over each head's d channels (norm_over="head", weight [d]: Qwen3, and
+                     Gemma 3 with norm_offset=1.0) or over all h * d channels of a token
+                     (norm_over="token", weight [h * d]: OLMo 2). The norm covers the whole
+                     head, rotated or not. Statistics, weighting and rotation are computed in
+                     float32 and rounded once to t's dtype; transformers' modules round the
+                     norm's output to t's dtype before RoPE (and Qwen3's before the weight), so
+                     in bfloat16 ours is the closer of the two to the exact result. The
+                     backward gives the gradients of t and norm_weight (its reduction over
+                     tokens is deterministic); it is not itself differentiable.
 
-    Returns a new contiguous tensor of t's shape and dtype; channels d2..d are copied.
+    Returns a new contiguous tensor of t's shape and dtype; channels d2..d are copied
+    (normalized, with a norm).
     Off the happy path (defined here, unlike TE): thd tokens outside every sequence (before
     cu_seqlens[0] or from cu_seqlens[-1] on) are returned unchanged; a token whose position
     falls outside a table's [0, s2) (too large start_positions or positions, inconsistent
     cu_seqlens) gets NaN in its rotated channels rather than reading out of bounds.
     """
+    norm = _rms_norm(norm_weight, norm_eps, norm_offset, norm_over)
     if not fused:
         return _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
-                             cp_size, cp_rank, positions, inverse)
+                             cp_size, cp_rank, positions, inverse, norm)
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
-                    cu_seqlens, cp_size, cp_rank, positions, inverse, False)
+                    cu_seqlens, cp_size, cp_rank, positions, inverse, False, norm)
+    if norm is not None:
+        if not (_needs_grad(t) or _needs_grad(norm_weight)):
+            return _rope(t, call)
+        return RopeNormForwardAndBackward.apply(t, norm_weight, call)
     if not _needs_grad(t):
         # No graph to record: straight to the launch (autograd.Function.apply costs about as
         # much CPU time as the rest of a small call).
@@ -706,16 +823,22 @@ def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "s
                                  cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
                                  cp_rank: int = 0,
                                  positions: Optional[torch.Tensor] = None,
-                                 inverse: bool = False) -> torch.Tensor:
+                                 inverse: bool = False,
+                                 norm_weight: Optional[torch.Tensor] = None,
+                                 norm_eps: float = 1e-6, norm_offset: float = 0.0,
+                                 norm_over: str = "head") -> torch.Tensor:
     """Inference path: rotate `t` in its own storage and return it. Only the first d2 channels
-    of each head are read and written; `t` may be a strided view (e.g. q inside a packed qkv
-    buffer) but must not overlap itself. Same arguments and semantics as
-    `apply_rotary_pos_emb`; no autograd (use it under torch.no_grad() / inference_mode())."""
-    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
-        raise ValueError("apply_rotary_pos_emb_inplace is for inference: t requires grad; use "
-                         "apply_rotary_pos_emb, or call it under torch.no_grad()")
+    of each head are read and written (all channels with a norm); `t` may be a strided view
+    (e.g. q inside a packed qkv buffer) but must not overlap itself. Same arguments and
+    semantics as `apply_rotary_pos_emb`; no autograd (use it under torch.no_grad() /
+    inference_mode())."""
+    for name, x in (("t", t), ("norm_weight", norm_weight)):
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"apply_rotary_pos_emb_inplace is for inference: {name} requires "
+                             f"grad; use apply_rotary_pos_emb, or call it under torch.no_grad()")
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved, cu_seqlens,
-                    cp_size, cp_rank, positions, inverse, False)
+                    cp_size, cp_rank, positions, inverse, False,
+                    _rms_norm(norm_weight, norm_eps, norm_offset, norm_over))
     _compiled_or_eager(_rope_inplace_op, _rope_inplace_eager, (t,), call, _rope_op_args)
     return t
 
@@ -732,6 +855,8 @@ class QKVCall(NamedTuple):
     cp_rank: int
     positions: Optional[torch.Tensor]
     inverse: bool           # rotate q and k by the negated angles
+    q_norm: Optional[RMSNorm] = None     # QK-norm of each query head, before the rotation
+    k_norm: Optional[RMSNorm] = None     # of each key head
 
 
 def _save_qkv_call(ctx, call):
@@ -788,32 +913,50 @@ class _FusedQKVRopeTranspose(torch.autograd.Function):
 _QKV_CALL_SCHEMA = ("Tensor q_angles, Tensor? q_pair_axis, Tensor k_angles, Tensor? k_pair_axis, "
                     "bool from_positions, int n_axes, float q_scale, float k_scale, "
                     "int[] qkv_split_arg_list, str tensor_format, Tensor? start_positions, "
-                    "bool interleaved, int cp_size, int cp_rank, Tensor? positions, bool inverse")
+                    "bool interleaved, int cp_size, int cp_rank, Tensor? positions, bool inverse, "
+                    "Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, float norm_eps=0.0, "
+                    "float norm_offset=0.0")
 
 
 def _qkv_op_args(call):
     """A QKVCall as the fused-QKV ops' arguments, in _QKV_CALL_SCHEMA's order."""
     q, k = call.q_source, call.k_source
+    q_norm, k_norm = call.q_norm, call.k_norm
+    norm = q_norm or k_norm or RMSNorm(None, 0.0, 0.0, "head")
     return (q.angles, q.pair_axis, k.angles, k.pair_axis, q.from_positions, q.n_axes, q.scale,
             k.scale, list(call.split), call.tensor_format, call.start_positions, call.interleaved,
-            call.cp_size, call.cp_rank, call.positions, call.inverse)
+            call.cp_size, call.cp_rank, call.positions, call.inverse,
+            q_norm and q_norm.weight, k_norm and k_norm.weight, norm.eps, norm.offset)
 
 
 def _qkv_call(q_angles, q_pair_axis, k_angles, k_pair_axis, from_positions, n_axes, q_scale,
               k_scale, split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-              positions, inverse):
+              positions, inverse, q_norm_weight=None, k_norm_weight=None, norm_eps=0.0,
+              norm_offset=0.0):
     """The fused-QKV ops' arguments back into a QKVCall."""
+    q_norm, k_norm = (None if w is None else RMSNorm(w, norm_eps, norm_offset, "head")
+                      for w in (q_norm_weight, k_norm_weight))
     return QKVCall(AngleSource(q_angles, from_positions, q_pair_axis, n_axes, q_scale, None),
                    AngleSource(k_angles, from_positions, k_pair_axis, n_axes, k_scale, None),
                    split, tensor_format, start_positions, interleaved, cp_size, cp_rank,
-                   positions, inverse)
+                   positions, inverse, q_norm, k_norm)
 
 
 def _qkv_eager(qkv, call):
     return set_rotary_qkv_kernel(qkv, call.q_source, call.k_source, call.split,
                                  call.tensor_format, call.start_positions, call.interleaved,
                                  call.cp_size, call.cp_rank, positions=call.positions,
-                                 inverse=call.inverse)
+                                 inverse=call.inverse, q_norm=call.q_norm, k_norm=call.k_norm)
+
+
+def _qkv_norm_backward_eager(dq, dk, dv, qkv, call):
+    """(the packed gradient of qkv, of q_norm's weight, of k_norm's weight) of a QK-norm call,
+    from qkv, the forward's input."""
+    return set_rotary_qkv_kernel(qkv, call.q_source, call.k_source, call.split,
+                                 call.tensor_format, call.start_positions, call.interleaved,
+                                 call.cp_size, call.cp_rank, grads=(dq, dk, dv),
+                                 positions=call.positions, inverse=call.inverse,
+                                 q_norm=call.q_norm, k_norm=call.k_norm)
 
 
 def _qkv_backward_eager(dq, dk, dv, call):
@@ -839,6 +982,7 @@ def _(qkv, *args):
                               call.tensor_format, call.start_positions, call.cp_size,
                               call.cp_rank, call.interleaved, call.positions, need_kernel=False,
                               inverse=call.inverse)
+    check_qkv_norms(qkv, split, call.q_norm, call.k_norm)
     return qkv_outputs(qkv, split)
 
 
@@ -854,16 +998,68 @@ def _(dq, dk, dv, *args):
     return dq.new_empty((*dq.shape[:2], dk.shape[2], sum(call.split)))
 
 
+@torch.library.custom_op("triton_rotary::qkv_rope_norm_backward", mutates_args=(),
+                         schema=f"(Tensor dq, Tensor dk, Tensor dv, Tensor qkv, {_QKV_CALL_SCHEMA}) "
+                                f"-> (Tensor, Tensor, Tensor)")
+def _qkv_norm_backward_op(dq, dk, dv, qkv, *args):
+    return _qkv_norm_backward_eager(dq, dk, dv, qkv, _qkv_call(*args))
+
+
+@_qkv_norm_backward_op.register_fake
+def _(dq, dk, dv, qkv, *args):
+    call = _qkv_call(*args)
+    return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
+            torch.empty_like(call.q_norm.weight), torch.empty_like(call.k_norm.weight))
+
+
+def _qkv_norm_backward(dq, dk, dv, qkv, call):
+    """One launch of rotary_qkv_kernel and the weight gradients' reductions: the backward of a
+    QK-norm call."""
+    return _compiled_or_eager(_qkv_norm_backward_op, _qkv_norm_backward_eager, (dq, dk, dv, qkv),
+                              call, _qkv_op_args)
+
+
+class FusedQKVRopeNormForwardAndBackward(torch.autograd.Function):
+    """Fused QKV with QK-norm: one launch forward (q and k normalized and rotated, v copied),
+    one launch backward (-> the packed gradient and the partial sums of both weights'
+    gradients), then their reductions. The backward is not itself differentiable."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_weight, k_weight, call):
+        q, k = call.q_source, call.k_source
+        ctx.save_for_backward(qkv, q_weight, k_weight, q.angles, q.pair_axis, k.angles,
+                              k.pair_axis, call.start_positions, call.positions)
+        ctx.call = call
+        return _qkv(qkv, call)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        _refuse_double_backward()
+        (qkv, q_weight, k_weight, q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions,
+         positions) = ctx.saved_tensors
+        call = ctx.call
+        call = QKVCall(_source_with(call.q_source, q_angles, q_pair_axis),
+                       _source_with(call.k_source, k_angles, k_pair_axis), call.split,
+                       call.tensor_format, start_positions, call.interleaved, call.cp_size,
+                       call.cp_rank, positions, call.inverse,
+                       call.q_norm._replace(weight=q_weight), call.k_norm._replace(weight=k_weight))
+        return (*_qkv_norm_backward(dq, dk, dv, qkv, call), None)
+
+
 def _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                 interleaved, cp_size, cp_rank, positions=None, inverse=False):
-    check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,
-                   cp_size, cp_rank, interleaved, positions, need_kernel=False, inverse=inverse)
+                 interleaved, cp_size, cp_rank, positions=None, inverse=False, q_norm=None,
+                 k_norm=None):
+    _, split = check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format,
+                              start_positions, cp_size, cp_rank, interleaved, positions,
+                              need_kernel=False, inverse=inverse)
+    check_qkv_norms(qkv, split, q_norm, k_norm)
     q, k, v = torch.split(qkv, list(qkv_split_arg_list), dim=-1)
     q = q.unflatten(-1, (qkv_split_arg_list[0] // qkv_split_arg_list[1], qkv_split_arg_list[1])
                     ).flatten(2, 3)
-    rope = lambda x, f: _unfused_rope(x, f, tensor_format, start_positions, interleaved, None,  # noqa: E731
-                                      cp_size, cp_rank, positions, inverse)
-    return rope(q, q_freqs), rope(k, k_freqs), v.contiguous()
+    rope = lambda x, f, norm: _unfused_rope(x, f, tensor_format, start_positions,  # noqa: E731
+                                            interleaved, None, cp_size, cp_rank, positions,
+                                            inverse, norm)
+    return rope(q, q_freqs, q_norm), rope(k, k_freqs, k_norm), v.contiguous()
 
 
 def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_split_arg_list,
@@ -871,7 +1067,10 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
                                    start_positions: Optional[torch.Tensor] = None,
                                    interleaved: bool = False, cp_size: int = 1, cp_rank: int = 0,
                                    fused: bool = True, positions: Optional[torch.Tensor] = None,
-                                   inverse: bool = False):
+                                   inverse: bool = False,
+                                   q_norm_weight: Optional[torch.Tensor] = None,
+                                   k_norm_weight: Optional[torch.Tensor] = None,
+                                   norm_eps: float = 1e-6, norm_offset: float = 0.0):
     """RoPE on a fused QKV projection (TE's `apply_fused_qkv_rotary_pos_emb`).
 
     qkv: [s, b, h_kv, q + k + v] (sbhd) or [b, s, h_kv, q + k + v] (bshd), split along the last
@@ -879,12 +1078,17 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
     q_freqs/k_freqs: two tables, or two RotaryPositionEmbedding (angles from positions).
     Returns contiguous q [.., h_kv * q / d, d] rotated with q_freqs, k [.., h_kv, d] rotated with
     k_freqs, and v [.., h_kv, v] unchanged: one kernel launch forward and one backward (which
-    writes the packed gradient of qkv). Other arguments, `inverse` too, as in
-    `apply_rotary_pos_emb`.
+    writes the packed gradient of qkv). q_norm_weight and k_norm_weight (both [d], given
+    together): QK-norm of each query and key head before the rotation, in the same launches
+    (Qwen3, Gemma 3: see `apply_rotary_pos_emb`'s norm_weight; norm_eps and norm_offset are
+    shared by both). Other arguments, `inverse` too, as in `apply_rotary_pos_emb`.
     """
+    q_norm = _rms_norm(q_norm_weight, norm_eps, norm_offset, "head")
+    k_norm = _rms_norm(k_norm_weight, norm_eps, norm_offset, "head")
     if not fused:
         return _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format,
-                            start_positions, interleaved, cp_size, cp_rank, positions, inverse)
+                            start_positions, interleaved, cp_size, cp_rank, positions, inverse,
+                            q_norm, k_norm)
     q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
     if torch.compiler.is_compiling():         # the op's arguments drop the modules' layouts
         for name, source in (("q_freqs", q_source), ("k_freqs", k_source)):
@@ -894,7 +1098,13 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
         check_qkv_args(qkv, q_source, k_source, qkv_split_arg_list, tensor_format,
                        start_positions, cp_size, cp_rank, interleaved, positions)
     call = QKVCall(q_source, k_source, qkv_split_arg_list, tensor_format, start_positions,
-                   interleaved, cp_size, cp_rank, positions, inverse)
+                   interleaved, cp_size, cp_rank, positions, inverse, q_norm, k_norm)
+    if q_norm is not None or k_norm is not None:
+        if q_norm is None or k_norm is None:
+            check_qkv_norms(qkv, qkv_split_arg_list, q_norm, k_norm)     # names what is missing
+        if not (_needs_grad(qkv) or _needs_grad(q_norm_weight) or _needs_grad(k_norm_weight)):
+            return _qkv(qkv, call)
+        return FusedQKVRopeNormForwardAndBackward.apply(qkv, q_norm_weight, k_norm_weight, call)
     if not _needs_grad(qkv):
         return _qkv(qkv, call)
     return FusedQKVRopeForwardAndBackward.apply(qkv, call)
