@@ -30,7 +30,7 @@ UNSPECIALIZED = ("num_tokens", "seq_len", "batch", "cp_size", "cp_rank")
 
 def example_arguments(cfg):
     """rotary_kernel's arguments for a contiguous bf16 call of 12 heads of 128 channels (sbhd,
-    batch 2; thd), pointers as their Triton types; a tensor the call leaves out is None."""
+    batch 2; thd), pointers as their Triton types; a tensor the call leaves out is None, and so is the norm."""
     heads, dim = 12, 128
     strides = (heads * dim if cfg.IS_THD else 2 * heads * dim, 0 if cfg.IS_THD else heads * dim, dim, 1)
     axis = cfg.POSITIONS_FROM == K.AXIS_POSITIONS_TENSOR.value
@@ -42,7 +42,7 @@ def example_arguments(cfg):
     positions = K.Positions(None if implicit else "*i64", position_strides,
                             "*i32" if cfg.HAS_START else None, "*i32" if cfg.IS_THD else None)
     return (K.View("*bf16", strides), K.View("*bf16", strides), angles, positions,
-            K.HeadShape(heads, dim, dim), 4096, 2048, 2, 1, 0, cfg)
+            K.HeadShape(heads, dim, dim), None, 4096, 2048, 2, 1, 0, cfg)
 
 
 def signature(fn, args, unspecialized=UNSPECIALIZED):

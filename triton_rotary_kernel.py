@@ -217,14 +217,14 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         q_shape = HeadShape(shape.kv_heads * shape.q_per_kv, shape.head_dim, shape.rotary_dim)
         if cfg.NORM != NO_NORM and cfg.BACKWARD:
             token_programs = _token_programs(shape.q_programs + k_programs, cfg)
-            dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_H, q.src, cfg)
+            dwq1, dwq2, dwq_pass = _dw_zeros(cfg.BLOCK_H, q.src, cfg)
             for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
                 block = tok_block + i * token_programs
                 d1, d2, d_pass = _rope_tile(block, q.src, q.dst, q_heads, shape.q_per_kv,
                                             q_shape, tokens, q_angles, positions, q_norm, cfg)
-                dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
-            _store_dw(q_norm, tok_block * shape.q_programs + pid_h, q_heads, q_shape, dw1, dw2,
-                      dw_pass, cfg)
+                dwq1, dwq2, dwq_pass = dwq1 + d1, dwq2 + d2, dwq_pass + d_pass
+            _store_dw(q_norm, tok_block * shape.q_programs + pid_h, q_heads, q_shape, dwq1, dwq2,
+                      dwq_pass, cfg)
         else:
             _rope_tile(tok_block, q.src, q.dst, q_heads, shape.q_per_kv, q_shape, tokens,
                        q_angles, positions, q_norm, cfg)
@@ -234,14 +234,14 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         k_shape = HeadShape(shape.kv_heads, shape.head_dim, shape.rotary_dim)
         if cfg.NORM != NO_NORM and cfg.BACKWARD:
             token_programs = _token_programs(shape.q_programs + k_programs, cfg)
-            dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_KV, k.src, cfg)
+            dwk1, dwk2, dwk_pass = _dw_zeros(cfg.BLOCK_KV, k.src, cfg)
             for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
                 block = tok_block + i * token_programs
                 d1, d2, d_pass = _kv_tile(block, k, v, k_heads, k_shape, shape.v_dim, tokens,
                                           k_angles, positions, k_norm, cfg)
-                dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
-            _store_dw(k_norm, tok_block * k_programs + k_program, k_heads, k_shape, dw1, dw2,
-                      dw_pass, cfg)
+                dwk1, dwk2, dwk_pass = dwk1 + d1, dwk2 + d2, dwk_pass + d_pass
+            _store_dw(k_norm, tok_block * k_programs + k_program, k_heads, k_shape, dwk1, dwk2,
+                      dwk_pass, cfg)
         else:
             _kv_tile(tok_block, k, v, k_heads, k_shape, shape.v_dim, tokens, k_angles, positions,
                      k_norm, cfg)
@@ -392,6 +392,9 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         out1, out2, x_pass, dw1, dw2, dw_pass = _rms_norm_backward(
             out1, out2, x_pass.to(compute_dtype), n1, n2, n_pass, w1, w2, w_pass, width,
             norm.eps, cfg)
+    else:
+        dw1, dw2, dw_pass = 0, 0, 0                # nothing to return (one return statement:
+                                                   # Triton types every return of a function)
 
     out_ty = out.ptr.dtype.element_ty
     if cfg.INTERLEAVED:
@@ -403,9 +406,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         tl.store(out1_ptrs + half * out_dim, out2.to(out_ty), mask=mask)
     if cfg.BLOCK_PASS > 0:
         tl.store(out_base + offs_p[None, None, :] * out_dim, x_pass.to(out_ty), mask=mask_p)
-    if NORM_BACKWARD:
-        return dw1, dw2, dw_pass
-    return 0, 0, 0
+    return dw1, dw2, dw_pass
 
 
 @triton.jit
