@@ -11,7 +11,13 @@ rounds; the median per-step time is reported. A line whose capture fails is time
 ("graph": false). Writes OUT/qknorm.json (rows), OUT/qknorm.log (table, also printed) and
 OUT/qknorm.png.
 """
-import gc, json, math, os, statistics, sys, time
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
 from types import SimpleNamespace
 
 DRY = "--dry-run" in sys.argv
@@ -20,10 +26,11 @@ if DRY:
 sys.path.insert(0, os.getcwd())
 
 import torch
-import triton_rotary_main as trm
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
+
+import triton_rotary_main as trm
 
 try:
     import liger_kernel  # noqa: F401
@@ -340,7 +347,8 @@ def main():
     dev = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
     t_start = time.time()
-    import transformers, triton
+    import transformers
+    import triton
     log = [f"qknorm bench  device={torch.cuda.get_device_name() if cuda else 'cpu (dry run)'}  "
            f"torch {torch.__version__}  triton {triton.__version__}  transformers {transformers.__version__}",
            f"times per step for q and k together; 'copies' = time / time of q_dst.copy_(q); "
