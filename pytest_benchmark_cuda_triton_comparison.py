@@ -2274,7 +2274,6 @@ def test_torch_compile_inverse_round_trip():
         assert torch.equal(compiled(t), round_trip(t))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
 def test_torch_compile_qk_norm():
     """fullgraph=True through the QK-norm forms of both entry points: the same outputs and
     gradients (inputs and weights) as eager."""
@@ -2299,6 +2298,7 @@ def test_torch_compile_qk_norm():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
 def test_cuda_graph_capture_and_replay():
     torch.manual_seed(11)
     freqs = RotaryPositionEmbedding(64, device=DEVICE)(40)
