@@ -311,19 +311,14 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_H: tl.constexpr = heads.shape[0]
-    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
 
     # Loads. Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
     # registers rather than gathered with stride 2.
     rotary_dim = shape.rotary_dim
     half = rotary_dim // 2
-    if cfg.INTERLEAVED:
-        offs = tl.arange(0, 2 * BLOCK_HALF)            # the pairs' channels, in order
-        mask = mask_th & (offs < rotary_dim)[None, None, :]
-    else:
-        offs = tl.arange(0, BLOCK_HALF)                # the first members; the second: + half
-        mask = mask_th & (offs < half)[None, None, :]
+    offs, channels_ok = _pair_channels(rotary_dim, half, cfg)
+    mask = mask_th & channels_ok
     if cfg.WIDE_INNER:
         offs = offs.to(tl.int64)
     x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, compute_dtype, cfg)
@@ -334,6 +329,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
             offs_p = offs_p.to(tl.int64)
         mask_p = mask_th & (offs_p < shape.head_dim)[None, None, :]
         if cfg.NORM != NO_NORM:
+            # The norm's sums need zeros where masked; a plain copy leaves those lanes unset.
             x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p, other=0.0)
         else:
             x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p)
@@ -351,10 +347,9 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         n_pass = tl.load(n_base + offs_p[None, None, :] * n_dim, mask=mask_p,
                          other=0.0).to(compute_dtype)
     if cfg.NORM != NO_NORM:
-        w1, w2, w_pass = _norm_weight(norm, heads, shape, offs, half, offs_p, compute_dtype, cfg)
-        width = shape.head_dim
-        if cfg.NORM == NORM_OVER_TOKEN:
-            width = shape.nheads * shape.head_dim
+        w1, w2, w_pass = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype,
+                                      cfg)
+        width = _norm_width(shape, cfg)
         if not cfg.BACKWARD:
             x_pass = x_pass.to(compute_dtype)
             rstd = _rstd(x1, x2, x_pass, width, norm.eps, cfg)
@@ -396,9 +391,11 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         dw1, dw2, dw_pass = 0, 0, 0                # nothing to return (one return statement:
                                                    # Triton types every return of a function)
 
+    # `_store_pairs`' layout, written out: as a call, the same instructions come out in another
+    # order for some tiles (thd backward), and the benchmarks measured this order.
     out_ty = out.ptr.dtype.element_ty
     if cfg.INTERLEAVED:
-        result = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
+        result = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * cfg.BLOCK_HALF])
         tl.store(out_base + offs[None, None, :] * out_dim, result.to(out_ty), mask=mask)
     else:
         out1_ptrs = out_base + offs[None, None, :] * out_dim
@@ -407,6 +404,21 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     if cfg.BLOCK_PASS > 0:
         tl.store(out_base + offs_p[None, None, :] * out_dim, x_pass.to(out_ty), mask=mask_p)
     return dw1, dw2, dw_pass
+
+
+@triton.jit
+def _pair_channels(rotary_dim, half, cfg: tl.constexpr):
+    """(offs, channels_ok [1, 1, K]): the channels a tile's pairs are read at (all 2 *
+    BLOCK_HALF in order when interleaved; else the first members, the second at + half) and
+    which of them are rotated."""
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    if cfg.INTERLEAVED:
+        offs = tl.arange(0, 2 * BLOCK_HALF)
+        channels_ok = (offs < rotary_dim)[None, None, :]
+    else:
+        offs = tl.arange(0, BLOCK_HALF)
+        channels_ok = (offs < half)[None, None, :]
+    return offs, channels_ok
 
 
 @triton.jit
@@ -428,25 +440,56 @@ def _load_pairs(base, dim_stride, offs, half, mask, compute_dtype: tl.constexpr,
 
 
 @triton.jit
-def _norm_weight(norm, heads, shape, offs, half, offs_p, compute_dtype: tl.constexpr,
+def _store_pairs(base, dim_stride, offs, half, mask, x1, x2, dtype: tl.constexpr,
+                 cfg: tl.constexpr):
+    """Store both members of each rotated pair [A, B, BLOCK_HALF], as `dtype`, at the rows
+    `base` [A, B, 1]: `_load_pairs`' layout (interleaved pairs joined back into one contiguous
+    store)."""
+    if cfg.INTERLEAVED:
+        A: tl.constexpr = x1.shape[0]
+        B: tl.constexpr = x1.shape[1]
+        BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+        result = tl.reshape(tl.join(x1, x2), [A, B, 2 * BLOCK_HALF])
+        tl.store(base + offs[None, None, :] * dim_stride, result.to(dtype), mask=mask)
+    else:
+        x1_ptrs = base + offs[None, None, :] * dim_stride
+        tl.store(x1_ptrs, x1.to(dtype), mask=mask)
+        tl.store(x1_ptrs + half * dim_stride, x2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype: tl.constexpr,
                  cfg: tl.constexpr):
     """(w1, w2, w_pass): the norm's weight plus its offset for the tile's channels, shaped to
     broadcast against them ([1, 1, K] per head; [1, H, K] per token, where head j's weights
     start at j * head_dim)."""
-    if cfg.NORM == NORM_OVER_TOKEN:
-        base = norm.weight + (heads * shape.head_dim)[None, :, None]
-        rows_ok = (heads < shape.nheads)[None, :, None]
-    else:
-        base = norm.weight + tl.zeros([1, 1, 1], tl.int32)
-        rows_ok = tl.full([1, 1, 1], 1, tl.int1)
-    if cfg.INTERLEAVED:
-        channels_ok = (offs < shape.rotary_dim)[None, None, :]
-    else:
-        channels_ok = (offs < half)[None, None, :]
-    w1, w2 = _load_pairs(base, 1, offs, half, rows_ok & channels_ok, compute_dtype, cfg)
+    base, rows_ok = _weight_rows(norm.weight, heads, shape, cfg)
+    w1, w2 = _load_pairs(base, 1, offs, shape.rotary_dim // 2, rows_ok & channels_ok,
+                         compute_dtype, cfg)
     w_pass = tl.load(base + offs_p[None, None, :],
                      mask=rows_ok & (offs_p < shape.head_dim)[None, None, :], other=0.0)
     return w1 + norm.offset, w2 + norm.offset, w_pass.to(compute_dtype) + norm.offset
+
+
+@triton.jit
+def _norm_width(shape, cfg: tl.constexpr):
+    """Channels one norm covers (and the weight's size): a head's, or all heads' of a token."""
+    width = shape.head_dim
+    if cfg.NORM == NORM_OVER_TOKEN:
+        width = shape.nheads * shape.head_dim
+    return width
+
+
+@triton.jit
+def _weight_rows(ptr, heads, shape, cfg: tl.constexpr):
+    """(pointers, which are real) of the weight rows a tile's heads use, in a weight-shaped
+    vector at `ptr`: [1, H, 1], head j at j * head_dim, for a per-token norm; [1, 1, 1], the
+    one row its heads share, for a per-head norm."""
+    if cfg.NORM == NORM_OVER_TOKEN:
+        rows, rows_ok = ptr + (heads * shape.head_dim)[None, :, None], (heads < shape.nheads)[None, :, None]
+    else:
+        rows, rows_ok = ptr + tl.zeros([1, 1, 1], tl.int32), tl.full([1, 1, 1], 1, tl.int1)
+    return rows, rows_ok
 
 
 @triton.jit
@@ -518,33 +561,19 @@ def _store_dw(norm, row, heads, shape, dw1, dw2, dw_pass, cfg: tl.constexpr):
     """Write a program's dL/dweight ([H, K] per member of the pairs and past them) as row
     `row` of norm.partial: summed over the heads for a per-head norm ([d]), head j at
     j * head_dim for a per-token one ([h * d])."""
-    if cfg.NORM == NORM_OVER_TOKEN:
-        base = norm.partial + row.to(tl.int64) * (shape.nheads * shape.head_dim)
-        base = base + (heads * shape.head_dim)[None, :, None]
-        rows_ok = (heads < shape.nheads)[None, :, None]
-    else:
-        base = norm.partial + row.to(tl.int64) * shape.head_dim + tl.zeros([1, 1, 1], tl.int32)
-        rows_ok = tl.full([1, 1, 1], 1, tl.int1)
+    base, rows_ok = _weight_rows(norm.partial + row.to(tl.int64) * _norm_width(shape, cfg), heads,
+                                 shape, cfg)
+    if cfg.NORM == NORM_OVER_HEAD:
         dw1 = tl.sum(dw1, axis=0, keep_dims=True)
         dw2 = tl.sum(dw2, axis=0, keep_dims=True)
         dw_pass = tl.sum(dw_pass, axis=0, keep_dims=True)
     half = shape.rotary_dim // 2
-    dw1, dw2, dw_pass = dw1[None, :, :], dw2[None, :, :], dw_pass[None, :, :]
-    ROWS: tl.constexpr = dw1.shape[1]
-    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    if cfg.INTERLEAVED:
-        offs = tl.arange(0, 2 * BLOCK_HALF)
-        tl.store(base + offs[None, None, :],
-                 tl.reshape(tl.join(dw1, dw2), [1, ROWS, 2 * BLOCK_HALF]),
-                 mask=rows_ok & (offs < shape.rotary_dim)[None, None, :])
-    else:
-        offs = tl.arange(0, BLOCK_HALF)
-        mask = rows_ok & (offs < half)[None, None, :]
-        tl.store(base + offs[None, None, :], dw1, mask=mask)
-        tl.store(base + half + offs[None, None, :], dw2, mask=mask)
+    offs, channels_ok = _pair_channels(shape.rotary_dim, half, cfg)
+    _store_pairs(base, 1, offs, half, rows_ok & channels_ok, dw1[None, :, :], dw2[None, :, :],
+                 norm.partial.dtype.element_ty, cfg)
     if cfg.BLOCK_PASS > 0:
         offs_p = shape.rotary_dim + tl.arange(0, cfg.BLOCK_PASS)
-        tl.store(base + offs_p[None, None, :], dw_pass,
+        tl.store(base + offs_p[None, None, :], dw_pass[None, :, :],
                  mask=rows_ok & (offs_p < shape.head_dim)[None, None, :])
 
 

@@ -226,13 +226,18 @@ def check_norm(norm, t, nheads, head_dim, prefix="norm_"):
         what = "d" if norm.over == "head" else "h * d"
         raise ValueError(f"{prefix}weight must have shape [{what}] = [{size}] for "
                          f"norm_over={norm.over!r}, got {tuple(weight.shape)}")
-    for name, value in (("norm_eps", norm.eps), ("norm_offset", norm.offset)):
+    check_norm_scalars(norm.eps, norm.offset)
+
+
+def check_norm_scalars(eps, offset):
+    """norm_eps and norm_offset: finite real numbers, eps >= 0."""
+    for name, value in (("norm_eps", eps), ("norm_offset", offset)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
         if not abs(value) < float("inf"):
             raise ValueError(f"{name} must be finite, got {value}")
-    if norm.eps < 0:
-        raise ValueError(f"norm_eps must be >= 0, got {norm.eps}")
+    if eps < 0:
+        raise ValueError(f"norm_eps must be >= 0, got {eps}")
 
 
 def _check_norm_input(norm_input, t, name="norm_input"):
@@ -267,9 +272,19 @@ def _weight_as_read(norm):
 def norm_programs(token_blocks, head_programs, device, rule):
     """Programs along the tokens for the backward of a norm: about rule.norm_programs_per_sm
     per SM in all, each looping over its share of the token blocks."""
-    sms = 1 if _interpreting() else _num_sms(
-        device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(token_blocks, triton.cdiv(rule.norm_programs_per_sm * sms, head_programs)))
+    return max(1, min(token_blocks,
+                      triton.cdiv(rule.norm_programs_per_sm * _sm_count(device), head_programs)))
+
+
+def _norm_group(norm, norm_input, partial):
+    """The fields of the kernel's Norm group; norm_input and partial None in the forward."""
+    return _weight_as_read(norm), norm.eps, norm.offset, norm_input, partial
+
+
+def _partial_sums(shape, x):
+    """The buffer of per-program partial sums of dL/dweight, in x's compute dtype."""
+    return torch.empty(shape, device=x.device,
+                       dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
 def _weight_gradient(partial, norm):
@@ -472,6 +487,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _sm_count(device: torch.device) -> int:
+    """SMs of the device's GPU; the interpreter counts as one."""
+    if _interpreting():
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
                   tile_bytes: int, rule: LaunchRule, whole_tokens: bool = False):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
@@ -483,11 +505,7 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
     row_bytes = (shape.rotary_dim + pass_dims) * element_size   # one (token, head) of a tile
-    if _interpreting():
-        sms = 1
-    else:
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    min_programs = rule.min_programs_per_sm * sms
+    min_programs = rule.min_programs_per_sm * _sm_count(device)
     rows = triton.next_power_of_2(triton.cdiv(tile_bytes, row_bytes))
     block_h = triton.next_power_of_2(shape.nheads)
     if not whole_tokens:
@@ -891,10 +909,9 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     norm_group = partial = None
     if norm is not None and plan.launch is not None:
         if backward:
-            partial = torch.empty(plan.partial_shape, device=t.device,
-                                  dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+            partial = _partial_sums(plan.partial_shape, t)
             norm_input = (norm_input, plan.norm_input_strides)
-        norm_group = (_weight_as_read(norm), norm.eps, norm.offset, norm_input, partial)
+        norm_group = _norm_group(norm, norm_input, partial)
     if plan.launch is not None:
         # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(
@@ -1095,10 +1112,8 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
         if grads is not None:
             q_in, k_in, _ = _packed_views(qkv, plan.split)
             inputs = ((q_in, plan.input_strides[0]), (k_in, plan.input_strides[1]))
-            dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
-            q_partial, k_partial = (torch.empty(shape, device=qkv.device, dtype=dtype)
-                                    for shape in plan.partial_shapes)
-        norms = [(_weight_as_read(norm), norm.eps, norm.offset, x, partial)
+            q_partial, k_partial = (_partial_sums(shape, qkv) for shape in plan.partial_shapes)
+        norms = [_norm_group(norm, x, partial)
                  for norm, x, partial in zip((q_norm, k_norm), inputs, (q_partial, k_partial))]
     if plan.launch is not None:
         q_source, k_source = sources

@@ -22,6 +22,7 @@ from triton_rotary_launch import (
     angle_source,
     check_layout,
     check_norm,
+    check_norm_scalars,
     check_qkv_args,
     check_qkv_norms,
     check_rope_args,
@@ -396,10 +397,12 @@ class RopeCall(NamedTuple):
 # with TE, instead of giving the gradient of other angles or positions. ctx.call keeps the rest
 # (it holds the same tensors; the backward takes them from saved_tensors, which checks them).
 
-def _save_rope_call(ctx, call):
+def _save_rope_call(ctx, call, *inputs):
+    """Keep `call` for the backward; `inputs`, the other tensors it reads (a norm's input and
+    weight), are saved first."""
     source = call.source
-    ctx.save_for_backward(source.angles, source.pair_axis, call.start_positions, call.cu_seqlens,
-                          call.positions)
+    ctx.save_for_backward(*inputs, source.angles, source.pair_axis, call.start_positions,
+                          call.cu_seqlens, call.positions)
     ctx.call = call
 
 
@@ -411,23 +414,22 @@ def _source_with(source, angles, pair_axis):
 
 
 def _backward_rope_call(ctx):
-    """The backward's call: the forward's, with its tensors from saved_tensors and the
-    rotation transposed."""
-    angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
+    """(the backward's call, the inputs saved with it): the forward's call, with its tensors
+    from saved_tensors and the rotation transposed."""
+    *inputs, angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
     call = ctx.call
     return RopeCall(_source_with(call.source, angles, pair_axis), call.tensor_format,
                     start_positions, call.interleaved, cu_seqlens, call.cp_size, call.cp_rank,
-                    positions, call.inverse, not call.transpose)
+                    positions, call.inverse, not call.transpose, call.norm), inputs
 
 
-def _rms_norm(weight, eps, offset, over, prefix="norm_"):
-    """The entry points' norm arguments as an RMSNorm (None without a weight); the weight
-    itself is checked against the input with the rest of the call (`check_norm`)."""
+def _rms_norm(weight, eps, offset, over):
+    """The entry points' norm arguments as an RMSNorm (None without a weight), eps and offset
+    as floats (the custom ops' schema); the weight is checked against the input with the
+    rest of the call (`check_norm`)."""
     if weight is None:
         return None
-    for name, value in ((f"{prefix}eps", eps), (f"{prefix}offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    check_norm_scalars(eps, offset)
     return RMSNorm(weight, float(eps), float(offset), over)
 
 
@@ -447,20 +449,14 @@ class RopeNormForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, weight, call):
-        source = call.source
-        ctx.save_for_backward(t, weight, source.angles, source.pair_axis, call.start_positions,
-                              call.cu_seqlens, call.positions)
-        ctx.call = call
+        _save_rope_call(ctx, call, t, weight)
         return _rope(t, call)
 
     @staticmethod
     def backward(ctx, grad_out):
         _refuse_double_backward()
-        t, weight, angles, pair_axis, start_positions, cu_seqlens, positions = ctx.saved_tensors
-        call = ctx.call
-        call = RopeCall(_source_with(call.source, angles, pair_axis), call.tensor_format,
-                        start_positions, call.interleaved, cu_seqlens, call.cp_size, call.cp_rank,
-                        positions, call.inverse, True, call.norm._replace(weight=weight))
+        call, (t, weight) = _backward_rope_call(ctx)
+        call = call._replace(norm=call.norm._replace(weight=weight))
         grad_t, grad_weight = _rope_norm_backward(grad_out, t, call)
         return grad_t, grad_weight, None
 
@@ -479,7 +475,7 @@ class RopeForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        call = _backward_rope_call(ctx)
+        call, _ = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return RopeForwardAndBackward.apply(grad_out, call), None
         return _rope(grad_out, call), None
@@ -859,21 +855,24 @@ class QKVCall(NamedTuple):
     k_norm: Optional[RMSNorm] = None     # of each key head
 
 
-def _save_qkv_call(ctx, call):
+def _save_qkv_call(ctx, call, *inputs):
+    """Keep `call` for the backward; `inputs`, the other tensors it reads (qkv and the norms'
+    weights), are saved first."""
     q, k = call.q_source, call.k_source
-    ctx.save_for_backward(q.angles, q.pair_axis, k.angles, k.pair_axis, call.start_positions,
-                          call.positions)
+    ctx.save_for_backward(*inputs, q.angles, q.pair_axis, k.angles, k.pair_axis,
+                          call.start_positions, call.positions)
     ctx.call = call
 
 
 def _saved_qkv_call(ctx):
-    """The forward's call, with its tensors from saved_tensors."""
-    q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions, positions = ctx.saved_tensors
+    """(the forward's call, the inputs saved with it), its tensors from saved_tensors."""
+    (*inputs, q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions,
+     positions) = ctx.saved_tensors
     call = ctx.call
     return QKVCall(_source_with(call.q_source, q_angles, q_pair_axis),
                    _source_with(call.k_source, k_angles, k_pair_axis), call.split,
                    call.tensor_format, start_positions, call.interleaved, call.cp_size,
-                   call.cp_rank, positions, call.inverse)
+                   call.cp_rank, positions, call.inverse, call.q_norm, call.k_norm), inputs
 
 
 class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
@@ -888,7 +887,7 @@ class FusedQKVRopeForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        call = _saved_qkv_call(ctx)
+        call, _ = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return _FusedQKVRopeTranspose.apply(dq, dk, dv, call), None
         return _qkv_backward(dq, dk, dv, call), None
@@ -904,7 +903,7 @@ class _FusedQKVRopeTranspose(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_dqkv):
-        call = _saved_qkv_call(ctx)
+        call, _ = _saved_qkv_call(ctx)
         if torch.is_grad_enabled():
             return (*FusedQKVRopeForwardAndBackward.apply(grad_dqkv, call), None)
         return (*_qkv(grad_dqkv, call), None)
@@ -1026,23 +1025,15 @@ class FusedQKVRopeNormForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, q_weight, k_weight, call):
-        q, k = call.q_source, call.k_source
-        ctx.save_for_backward(qkv, q_weight, k_weight, q.angles, q.pair_axis, k.angles,
-                              k.pair_axis, call.start_positions, call.positions)
-        ctx.call = call
+        _save_qkv_call(ctx, call, qkv, q_weight, k_weight)
         return _qkv(qkv, call)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         _refuse_double_backward()
-        (qkv, q_weight, k_weight, q_angles, q_pair_axis, k_angles, k_pair_axis, start_positions,
-         positions) = ctx.saved_tensors
-        call = ctx.call
-        call = QKVCall(_source_with(call.q_source, q_angles, q_pair_axis),
-                       _source_with(call.k_source, k_angles, k_pair_axis), call.split,
-                       call.tensor_format, start_positions, call.interleaved, call.cp_size,
-                       call.cp_rank, positions, call.inverse,
-                       call.q_norm._replace(weight=q_weight), call.k_norm._replace(weight=k_weight))
+        call, (qkv, q_weight, k_weight) = _saved_qkv_call(ctx)
+        call = call._replace(q_norm=call.q_norm._replace(weight=q_weight),
+                             k_norm=call.k_norm._replace(weight=k_weight))
         return (*_qkv_norm_backward(dq, dk, dv, qkv, call), None)
 
 
