@@ -957,7 +957,8 @@ def test_qk_norm_matches_transformers(model, norm_class, offset, over, dtype):
     with torch.no_grad():
         norm.weight.normal_(0.0, 0.5)
     norm = norm.to(dtype)
-    freqs = RotaryPositionEmbedding(d, device="cpu")(s)
+    rope = RotaryPositionEmbedding(d, device="cpu")
+    freqs = rope(s)
     cos, sin = freqs[:, 0, 0].cos()[None].to(dtype), freqs[:, 0, 0].sin()[None].to(dtype)
     x = torch.randn(b, s, h, d, dtype=dtype) * 4
     grad = torch.randn(b, s, h, d, dtype=dtype)
@@ -981,7 +982,7 @@ def test_qk_norm_matches_transformers(model, norm_class, offset, over, dtype):
                                    norm_weight=weight.detach().float(), **kwargs).cpu().to(dtype)
 
     exact = rotate64(_norm64(x, norm.weight.detach(), 1e-6, offset, over), pair_positions(torch.arange(s), d // 2),
-                     RotaryPositionEmbedding(d, device="cpu").inv_freq, False)
+                     rope.inv_freq, False)
     if dtype == torch.float32:
         torch.testing.assert_close(out, hf_out.detach(), atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(dx, hf_dx, atol=2e-5, rtol=2e-5)
