@@ -191,11 +191,12 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
     if cfg.NORM != NO_NORM and cfg.BACKWARD:
         token_programs = _token_programs(head_programs, cfg)
         dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_H, x, cfg)
-        for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
-            block = tok_block + i * token_programs
+        block = tok_block
+        while block < tl.cdiv(num_tokens, cfg.BLOCK_T):
             d1, d2, d_pass = _rope_tile(block, x, out, heads, 1, shape, tokens, angles, positions,
                                         norm, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
+            block += token_programs
         _store_dw(norm, tok_block * head_programs + head_block, heads, shape, dw1, dw2, dw_pass,
                   cfg)
     else:
@@ -218,11 +219,12 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         if cfg.NORM != NO_NORM and cfg.BACKWARD:
             token_programs = _token_programs(shape.q_programs + k_programs, cfg)
             dwq1, dwq2, dwq_pass = _dw_zeros(cfg.BLOCK_H, q.src, cfg)
-            for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
-                block = tok_block + i * token_programs
+            block = tok_block
+            while block < tl.cdiv(num_tokens, cfg.BLOCK_T):
                 d1, d2, d_pass = _rope_tile(block, q.src, q.dst, q_heads, shape.q_per_kv,
                                             q_shape, tokens, q_angles, positions, q_norm, cfg)
                 dwq1, dwq2, dwq_pass = dwq1 + d1, dwq2 + d2, dwq_pass + d_pass
+                block += token_programs
             _store_dw(q_norm, tok_block * shape.q_programs + pid_h, q_heads, q_shape, dwq1, dwq2,
                       dwq_pass, cfg)
         else:
@@ -235,11 +237,12 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         if cfg.NORM != NO_NORM and cfg.BACKWARD:
             token_programs = _token_programs(shape.q_programs + k_programs, cfg)
             dwk1, dwk2, dwk_pass = _dw_zeros(cfg.BLOCK_KV, k.src, cfg)
-            for i in range(_own_blocks(tok_block, token_programs, num_tokens, cfg)):
-                block = tok_block + i * token_programs
+            block = tok_block
+            while block < tl.cdiv(num_tokens, cfg.BLOCK_T):
                 d1, d2, d_pass = _kv_tile(block, k, v, k_heads, k_shape, shape.v_dim, tokens,
                                           k_angles, positions, k_norm, cfg)
                 dwk1, dwk2, dwk_pass = dwk1 + d1, dwk2 + d2, dwk_pass + d_pass
+                block += token_programs
             _store_dw(k_norm, tok_block * k_programs + k_program, k_heads, k_shape, dwk1, dwk2,
                       dwk_pass, cfg)
         else:
@@ -531,18 +534,11 @@ def _rms_norm_backward(g1, g2, g_pass, x1, x2, x_pass, w1, w2, w_pass, width, ep
 @triton.jit
 def _token_programs(head_programs, cfg: tl.constexpr):
     """Programs along the tokens: the backward of a norm launches fewer than there are token
-    blocks, each looping over every token_programs-th block (`_program_block`'s layout)."""
+    blocks, each looping over every token_programs-th block from its own (a `while` loop: a
+    tensor bound in `range` fails in Triton 3.5.1's interpreter)."""
     if cfg.FLAT_GRID:
         return tl.num_programs(0) // head_programs
     return tl.num_programs(0)
-
-
-@triton.jit
-def _own_blocks(tok_block, token_programs, num_tokens, cfg: tl.constexpr):
-    """How many token blocks program `tok_block` handles: tok_block, tok_block +
-    token_programs, ... below the last (the loop counts them, so that the block index stays a
-    tensor in the interpreter too)."""
-    return tl.cdiv(tl.cdiv(num_tokens, cfg.BLOCK_T) - tok_block, token_programs)
 
 
 @triton.jit
