@@ -59,6 +59,7 @@ from rope_bench import run_benchmarks
 from rope_fuzz_strategies import (
     assert_fuzz_close,
     fuzz,
+    fuzz_norm,
     fuzz_reference,
     laid_out,
     poisoned_view,
@@ -2855,6 +2856,43 @@ def test_fuzz_rope_inplace(call, data):
     assert torch.equal(base[~marker], before[~marker]), "written outside the view"
 
 
+def _qk_norm_reference(t, freqs, kwargs, norm, grad, in_seq=None):
+    """(output, input gradient, weight gradient) of the QK-norm call from the norm's definition
+    and the unfused formula on float64 copies; tokens outside every thd sequence (in_seq
+    False) are normalized, not rotated, their gradient passed through the rotation."""
+    x64 = t.resolve_neg().double().requires_grad_(True)
+    w64 = norm["norm_weight"].double().requires_grad_(True)
+    normed = _norm64(x64, w64, norm["norm_eps"], norm["norm_offset"], norm["norm_over"])
+    y = normed.detach().requires_grad_(True)
+    out = apply_rotary_pos_emb(y, freqs, fused=False, **kwargs)
+    (dy,) = torch.autograd.grad(out, y, grad.resolve_neg().double())
+    if in_seq is not None:
+        dy[~in_seq] = grad.resolve_neg()[~in_seq].double()
+    return (out.detach(), *torch.autograd.grad(normed, (x64, w64), dy))
+
+
+def _check_qk_norm_call(t, freqs, kwargs, norm, grad, in_seq=None):
+    """The fused QK-norm call through autograd against `_qk_norm_reference`."""
+    ref_out, ref_dx, ref_dw = _qk_norm_reference(t, freqs, kwargs, norm, grad, in_seq)
+    x = t.detach().requires_grad_(True)
+    w = norm["norm_weight"].detach().requires_grad_(True)
+    out = apply_rotary_pos_emb(x, freqs, **kwargs, **{**norm, "norm_weight": w})
+    assert out.is_contiguous() and out.dtype == t.dtype
+    assert_fuzz_close(out.detach(), ref_out, "forward")
+    dx, dw = torch.autograd.grad(out, (x, w), grad)
+    assert_fuzz_close(dx, ref_dx, "input gradient")
+    assert dw.dtype == w.dtype
+    assert_fuzz_close(dw, ref_dw, "weight gradient")
+
+
+@fuzz(rope_calls)
+def test_fuzz_qk_norm(call, data):
+    """The drawn call with a drawn QK-norm (`_check_qk_norm_call`)."""
+    t, freqs, kwargs, grad, in_seq, _ = call
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    _check_qk_norm_call(t, freqs, kwargs, fuzz_norm(data.draw, gen, *t.shape[-2:]), grad, in_seq)
+
+
 @fuzz(qkv_calls)
 def test_fuzz_qkv(call, data):
     """apply_fused_qkv_rotary_pos_emb forward and packed gradient against the unfused formula
@@ -2921,6 +2959,52 @@ def test_sanitize_qkv(split, kv_heads, rotary_percent):
     qkv = torch.randn(7, 3, kv_heads, sum(split), device=DEVICE, dtype=torch.bfloat16)
     freqs = RotaryPositionEmbedding(split[1], rotary_percent, device=DEVICE)(9)
     compare_qkv(qkv, freqs, freqs * 2, split)
+
+
+# QK-norm calls with odd shapes: a norm's tiles hold whole heads (or whole tokens), and its
+# backward loops over token blocks and writes partial sums of dL/dweight.
+SANITIZE_NORM_CASES = [
+    dict(shape=(13, 3, 5, 72), rotary_dim=40, norm_over="head"),
+    dict(shape=(9, 2, 7, 96), interleaved=True, norm_over="token", norm_offset=1.0),
+    dict(shape=(3, 11, 5, 80), tensor_format="bshd", norm_over="head", norm_offset=1.0),
+    dict(shape=(57, 5, 80), tensor_format="thd", cu_seqlens=[0, 1, 1, 17, 40, 52], rotary_dim=40,
+         norm_over="token"),
+    dict(shape=(24, 3, 72), tensor_format="thd", cu_seqlens=[0, 12, 16, 40], cp_size=2, cp_rank=1,
+         interleaved=True, norm_over="head"),
+]
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case", SANITIZE_NORM_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_sanitize_qk_norm(case):
+    """Output and the gradients of the input and the weight (`_check_qk_norm_call`)."""
+    torch.manual_seed(15)
+    case = dict(case)
+    shape, rotary_dim = case.pop("shape"), case.pop("rotary_dim", None)
+    norm = dict(norm_over=case.pop("norm_over"), norm_offset=case.pop("norm_offset", 0.0), norm_eps=1e-6)
+    in_seq = None
+    if "cu_seqlens" in case:
+        cu, cp = case["cu_seqlens"], case.get("cp_size", 1)
+        in_seq = torch.zeros(shape[0], dtype=torch.bool, device=DEVICE)
+        for start, end in zip(cu[:-1], cu[1:]):
+            in_seq[start // cp:end // cp] = True
+        case["cu_seqlens"] = int_tensor(cu)
+    t = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    norm["norm_weight"] = torch.randn(shape[-1] * (1 if norm["norm_over"] == "head" else shape[-2]),
+                                      device=DEVICE, dtype=torch.bfloat16)
+    freqs = RotaryPositionEmbedding(rotary_dim or shape[-1], interleaved=case.get("interleaved", False),
+                                    device=DEVICE)(64)
+    _check_qk_norm_call(t, freqs, case, norm, torch.randn_like(t), in_seq)
+
+
+@pytest.mark.sanitize
+def test_sanitize_qk_norm_qkv():
+    torch.manual_seed(16)
+    split = [3 * 80, 80, 48]
+    qkv = torch.randn(7, 3, 3, sum(split), device=DEVICE, dtype=torch.bfloat16)
+    freqs = RotaryPositionEmbedding(40, device=DEVICE)(9)
+    weights = [torch.randn(80, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    compare_qkv(qkv, freqs, freqs * 2, split, q_norm_weight=weights[0], k_norm_weight=weights[1])
 
 
 @pytest.mark.slow

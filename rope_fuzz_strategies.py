@@ -189,6 +189,17 @@ def rope_calls(draw):
     return laid_out(draw, gen, shape, dtype), freqs, kwargs, laid_out(draw, gen, shape, dtype), in_seq, d2
 
 
+def fuzz_norm(draw, gen, nheads, head_dim):
+    """QK-norm keyword arguments for a call on `nheads` heads of `head_dim` channels: over each
+    head or over each token, with or without Gemma's offset, a small or a large eps, the weight
+    in a drawn dtype."""
+    over = draw(st.sampled_from(["head", "token"]))
+    size = head_dim if over == "head" else nheads * head_dim
+    return dict(norm_weight=draw_values(gen, (size,), draw(st.sampled_from(FUZZ_DTYPES))),
+                norm_eps=draw(st.sampled_from([1e-6, 0.5])),
+                norm_offset=draw(st.sampled_from([0.0, 1.0])), norm_over=over)
+
+
 def fuzz_reference(t, freqs, kwargs, grad, in_seq):
     """Output and input gradient of the unfused formula on float64 copies of the values, with
     the documented pass-through gradient for thd tokens outside every sequence (the unfused

@@ -59,10 +59,22 @@ SEARCH_TILE_BYTES = 8192
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
-# The backward of a norm launches about this many programs per SM along the tokens (each loops
-# over its share of the token blocks), so that the per-program partial sums of dL/dweight stay a
-# small fraction of the traffic.
-NORM_PROGRAMS_PER_SM = 8
+# With a norm, a program holds a tile's loads until each row's sums are complete, and the
+# backward holds two tiles (the gradient and the norm's input) and its sums of dL/dweight. On
+# the H100 and the H200 (Qwen3, Gemma 3, OLMo 2 shapes, bf16; docs/results.md) the forward ran
+# fastest with the plain tile in NORM_WARPS warps (each thread two 16-byte vectors of each half
+# at 4 KiB): 1.06-1.09 copies on the H100 where 4 warps gave 1.12-1.22; the backward with
+# NORM_BACKWARD_TILE_BYTES in NORM_BACKWARD_WARPS warps (one vector of each half per thread),
+# where 4 KiB in 4 warps was 1.8x (H100) and 2.0x (H200) slower at head_dim 256 (at its 168
+# registers per thread 12 warps fit on an SM, against 16 of these at 117).
+NORM_WARPS = 2
+NORM_BACKWARD_TILE_BYTES = 8192
+NORM_BACKWARD_WARPS = 8
+# The backward of a norm launches this many programs per SM along the tokens, each looping
+# over its share of the token blocks, so that the per-program partial sums of dL/dweight stay a
+# small fraction of the traffic: as many as are resident at once (two of 8 warps, at the
+# backward's registers), so that none waits for a second wave.
+NORM_PROGRAMS_PER_SM = 2
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
@@ -77,13 +89,18 @@ class LaunchRule(NamedTuple):
     search_tile_bytes: int
     qkv_tile_bytes: int
     norm_programs_per_sm: int
+    norm_warps: int
+    norm_backward_tile_bytes: int
+    norm_backward_warps: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
-                      NORM_PROGRAMS_PER_SM)
+                      NORM_PROGRAMS_PER_SM, NORM_WARPS, NORM_BACKWARD_TILE_BYTES,
+                      NORM_BACKWARD_WARPS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
-                              INTERPRETER_NORM_PROGRAMS)
+                              INTERPRETER_NORM_PROGRAMS, NUM_WARPS, INTERPRETER_TILE_BYTES,
+                              NUM_WARPS)
 _RULE_OVERRIDE = [None]
 
 
@@ -495,12 +512,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
-                  tile_bytes: int, rule: LaunchRule, whole_tokens: bool = False):
+                  tile_bytes: int, rule: LaunchRule, whole_tokens: bool = False,
+                  num_warps: int = None):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
     autotuning). Large inputs get one tile shape whatever their length; only inputs too small
     to give every SM rule.min_programs_per_sm programs get smaller tiles (a bounded set of
-    compiled variants). `tile_bytes`: the data a tile holds (one of the rule's).
-    `whole_tokens`: a tile holds all heads of its tokens (a norm over the whole token)."""
+    compiled variants). `tile_bytes` and `num_warps` (rule.num_warps if None): one of the
+    rule's tiles (`_norm_tile` gives a norm's). `whole_tokens`: a tile holds all heads of its
+    tokens (a norm over the whole token)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
@@ -521,8 +540,16 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
         block_h //= 2
     grid = (triton.cdiv(shape.num_tokens, block_t), triton.cdiv(shape.nheads, block_h))
     meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-                num_warps=rule.num_warps)
+                num_warps=rule.num_warps if num_warps is None else num_warps)
     return grid, meta
+
+
+def _norm_tile(rule: LaunchRule, tile_bytes: int, backward: bool):
+    """(tile_bytes, num_warps) for launch_config with a norm: the plain tile in the norm's warps
+    forward, the norm's backward tile backward (NORM_WARPS says why)."""
+    if backward:
+        return rule.norm_backward_tile_bytes, rule.norm_backward_warps
+    return tile_bytes, rule.norm_warps
 
 
 _MAX_GRID_X = 2**31 - 1
@@ -826,12 +853,15 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     rule = launch_rule()
+    tile_bytes, num_warps = (rule.search_tile_bytes if is_thd and positions is None
+                             else rule.tile_bytes), None
+    if norm is not None:
+        tile_bytes, num_warps = _norm_tile(rule, tile_bytes, backward)
     # A norm covers every channel, so the channels past rotary_dim are written in place too.
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
-        element_size=t.element_size(),
-        tile_bytes=rule.search_tile_bytes if is_thd and positions is None else rule.tile_bytes,
-        rule=rule, whole_tokens=norm is not None and norm.over == "token")
+        element_size=t.element_size(), tile_bytes=tile_bytes, rule=rule,
+        whole_tokens=norm is not None and norm.over == "token", num_warps=num_warps)
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
     token_blocks, head_programs = grid
     norm_backward = norm is not None and backward
@@ -1033,9 +1063,12 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
     rule = launch_rule()
+    tile_bytes, num_warps = rule.qkv_tile_bytes, None
+    if q_norm is not None:
+        tile_bytes, num_warps = _norm_tile(rule, tile_bytes, grads is not None)
     grid, tile = launch_config(
         shape._replace(nheads=kv_heads * q_per_kv), qkv.device, copy_pass=True,
-        element_size=qkv.element_size(), tile_bytes=rule.qkv_tile_bytes, rule=rule)
+        element_size=qkv.element_size(), tile_bytes=tile_bytes, rule=rule, num_warps=num_warps)
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
     row = 2 * tile["BLOCK_HALF"] + tile["BLOCK_PASS"]
     block_v = triton.next_power_of_2(v_dim)

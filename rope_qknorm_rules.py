@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""QK-norm kernels alone under launch-rule variants: the evidence for the norm's constants in
+triton_rotary_launch.py (NORM_WARPS and the ones after it).
+
+    python rope_qknorm_rules.py OUT        # on a GPU, from the repository root
+
+For the attention inputs of rope_qknorm_bench.py at 16K tokens (bf16), times the launcher's
+calls for q and k (fused QKV: one call) with and without the norm, forward and backward, under
+each rule in RULES, in units of one device copy of q and k. Each line is one CUDA graph over
+rotating buffer sets larger than L2, replayed REPLAYS times per round, lines interleaved
+round-robin over ROUNDS rounds, median reported. Before timing, each variant's result is
+compared with the first rule's (the same up to the order of the sums of dL/dweight). Writes
+OUT/rules.log and OUT/rules.json.
+"""
+import json
+import math
+import os
+import statistics
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.getcwd())
+
+import torch
+import triton
+
+import triton_rotary_launch as L
+from triton_rotary_main import RotaryPositionEmbedding
+
+BF16, EPS, TOKENS = torch.bfloat16, 1e-6, 16384
+ROUNDS, REPLAYS = 7, 10
+POINTS = [  # q heads, kv heads, head dim, norm offset, norm over
+    dict(model="Qwen3-8B", hq=32, hk=8, d=128, offset=0.0, over="head"),
+    dict(model="Gemma-3", hq=16, hk=8, d=256, offset=1.0, over="head"),
+    dict(model="OLMo-2", hq=32, hk=32, d=128, offset=0.0, over="token"),
+]
+G = L.GPU_RULE
+RULES = {
+    "rule": G,
+    # the plain tiles and warps, as before the norm had its own
+    "plain": G._replace(norm_warps=G.num_warps, norm_backward_tile_bytes=G.tile_bytes,
+                        norm_backward_warps=G.num_warps, norm_programs_per_sm=8),
+    "plain_qkv": G._replace(norm_warps=G.num_warps, norm_backward_tile_bytes=G.qkv_tile_bytes,
+                            norm_backward_warps=G.num_warps, norm_programs_per_sm=8),
+    "fwd_4_warps": G._replace(norm_warps=4),
+    "bwd_4KiB_4_warps": G._replace(norm_backward_tile_bytes=4096, norm_backward_warps=4,
+                                   norm_programs_per_sm=4),
+    "bwd_4_programs": G._replace(norm_programs_per_sm=4),
+    "bwd_4_warps": G._replace(norm_backward_warps=4, norm_programs_per_sm=4),
+}
+ROPE_RULES = ("rule", "plain", "fwd_4_warps", "bwd_4KiB_4_warps", "bwd_4_programs")
+QKV_RULES = ("rule", "plain_qkv", "fwd_4_warps", "bwd_4_warps")
+
+
+def build(p, dev="cuda"):
+    """Tables, norms and rotating buffer sets (> 256 MB of q and k in all) for one point."""
+    s, hq, hk, d = TOKENS, p["hq"], p["hk"], p["d"]
+    width = (lambda h: d) if p["over"] == "head" else (lambda h: h * d)
+    P = SimpleNamespace(freqs=RotaryPositionEmbedding(d, rotary_base=1e6, device=dev)(s))
+    P.nq, P.nk = (L.RMSNorm((1.0 + 0.1 * torch.randn(width(h), device=dev)).to(BF16), EPS,
+                            p["offset"], p["over"]) for h in (hq, hk))
+    P.split = [hq // hk * d, d, d] if p["over"] == "head" else None
+    P.sets = []
+    for _ in range(max(4, math.ceil((256 << 20) / (2 * s * (hq + hk) * d)))):
+        S = SimpleNamespace(q=torch.randn(1, s, hq, d, device=dev, dtype=BF16),
+                            k=torch.randn(1, s, hk, d, device=dev, dtype=BF16))
+        S.gq, S.gk = torch.randn_like(S.q), torch.randn_like(S.k)
+        S.qd, S.kd = torch.empty_like(S.q), torch.empty_like(S.k)
+        if P.split:
+            S.qkv = torch.cat([S.q.reshape(1, s, hk, -1), S.k, torch.randn_like(S.k)], -1)
+            S.grads = (S.gq, S.gk, torch.randn_like(S.k))
+        P.sets.append(S)
+    return P
+
+
+def lines(P):
+    """name -> step(S); each returns the call's outputs."""
+    f, kw = P.freqs, dict(tensor_format="bshd")
+    rope = L.set_rotary_kernel
+    out = {
+        "copy": lambda S: (S.qd.copy_(S.q), S.kd.copy_(S.k)),
+        "rope_fwd": lambda S: (rope(S.q, f, **kw), rope(S.k, f, **kw)),
+        "rope_bwd": lambda S: (rope(S.gq, f, backward=True, **kw),
+                               rope(S.gk, f, backward=True, **kw)),
+        "norm_fwd": lambda S: (rope(S.q, f, norm=P.nq, **kw), rope(S.k, f, norm=P.nk, **kw)),
+        "norm_bwd": lambda S: (
+            *rope(S.gq, f, backward=True, norm=P.nq, norm_input=S.q, **kw),
+            *rope(S.gk, f, backward=True, norm=P.nk, norm_input=S.k, **kw)),
+    }
+    if P.split:
+        qkv = L.set_rotary_qkv_kernel
+        out["qkv_rope_fwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd")
+        out["qkv_norm_fwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd", q_norm=P.nq, k_norm=P.nk)
+        out["qkv_norm_bwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd", grads=S.grads,
+                                            q_norm=P.nq, k_norm=P.nk)
+    return out
+
+
+def capture(step, sets):
+    """Warm up on a side stream, then one CUDA graph of the step over every set."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for S in sets:
+                step(S)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for S in sets:
+            step(S)
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graphs(graphs, nsets):
+    """Median µs per step of each graph, interleaved round-robin."""
+    times = {k: [] for k in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(ROUNDS):
+        for k, graph in graphs.items():
+            start.record()
+            for _ in range(REPLAYS):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end) * 1e3 / (REPLAYS * nsets))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def flat(outputs):
+    return torch.cat([o.float().flatten() for o in outputs])
+
+
+def main():
+    if len(sys.argv) != 2 or not torch.cuda.is_available():
+        sys.exit("usage: python rope_qknorm_rules.py OUT  (on a CUDA device)")
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(0)
+    log, rows = [], []
+
+    def say(msg):
+        print(msg, flush=True)
+        log.append(msg)
+    say(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
+        f"{triton.__version__}; {TOKENS} tokens, bf16; time per step / time of a copy of q and k")
+    say(f"GPU_RULE {G}")
+    for p in POINTS:
+        P = build(p)
+        steps, graphs = lines(P), {}
+        plain = ["copy", "rope_fwd", "rope_bwd"] + (["qkv_rope_fwd"] if P.split else [])
+        for name in plain:
+            graphs[(name, "-")] = capture(steps[name], P.sets)
+        for names, rules in ((("norm_fwd", "norm_bwd"), ROPE_RULES),
+                             (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES)):
+            for name in names:
+                first = None
+                for rule_name in rules:
+                    L._PLANS.clear()
+                    with L.use_launch_rule(RULES[rule_name]):
+                        result = flat(steps[name](P.sets[0]))
+                        graphs[(name, rule_name)] = capture(steps[name], P.sets)
+                    if first is None:
+                        first = result
+                    else:
+                        rel = ((result - first).abs().max() / first.abs().max()).item()
+                        say(f"  {p['model']} {name} {rule_name}: max difference from 'rule' "
+                            f"{rel:.1e} of the largest value")
+        us = time_graphs(graphs, len(P.sets))
+        copy_us = us[("copy", "-")]
+        say(f"\n{p['model']}: q {p['hq']} heads + k {p['hk']} heads, d {p['d']}, norm over "
+            f"{p['over']}; copy of q and k {copy_us:.1f} us")
+        for (name, rule_name), t in sorted(us.items(), key=lambda kv: (kv[0][0], kv[1])):
+            say(f"  {name:13s} {rule_name:17s} {t / copy_us:6.3f} copies {t:8.1f} us")
+            rows.append(dict(device=torch.cuda.get_device_name(), model=p["model"], line=name,
+                             rule=rule_name, us=t, copies=t / copy_us))
+        for graph in graphs.values():
+            graph.reset()
+        del graphs, P
+        torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "rules.log"), "w") as f:
+        f.write("\n".join(log) + "\n")
+    with open(os.path.join(out_dir, "rules.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
