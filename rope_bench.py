@@ -396,7 +396,7 @@ def _mrope_workload(point, dtype, shrink, peers, skipped):
     return dict(x=x, lines=lines, skipped=skipped)
 
 
-def _graphed(step):
+def graphed(step):
     """`step` captured in a CUDA graph, after a warm-up on a side stream (compiles kernels and
     plans, and lets autograd set up its streams outside the capture)."""
     side = torch.cuda.Stream()
@@ -420,13 +420,13 @@ def _model_line_ms(line, mode, state):
     if mode in KERNEL_MODES:
         if mode not in state:
             with torch.no_grad():
-                state[mode] = _graphed(line.forward if mode == "forward_kernel" else line.backward)
+                state[mode] = graphed(line.forward if mode == "forward_kernel" else line.backward)
         return _bench_ms(state[mode].replay)
     if "step" not in state:
         state["step"] = line.make_step()
     if mode == "forward+backward":
         return _bench_ms(state["step"])
-    graph = _graphed(state["step"])
+    graph = graphed(state["step"])
     return _bench_ms(graph.replay)
 
 

@@ -31,6 +31,7 @@ from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 
 import triton_rotary_main as trm
+from rope_bench import graphed
 
 try:
     import liger_kernel  # noqa: F401
@@ -215,24 +216,6 @@ def check(P):
     return res
 
 
-def capture(step, sets):
-    """Warm up on a side stream, then capture the step over every set into one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for S in sets:
-                step(S)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for S in sets:
-            step(S)
-    torch.cuda.synchronize()
-    return g
-
-
 def bench_mode(P, mode):
     """Rows {line, us, graph, note} for one point and mode (copy first: the unit)."""
     lines, runners, rows, graphs = make_lines(P, mode), {}, [], []
@@ -250,7 +233,7 @@ def bench_mode(P, mode):
                 continue
             t0 = time.perf_counter()
             try:
-                g = capture(step, P.sets)
+                g = graphed(lambda step=step: [step(S) for S in P.sets])
                 graphs.append(g)
                 runners[name] = (lambda g=g: [g.replay() for _ in range(REPLAYS)], True, None)
             except Exception as e:

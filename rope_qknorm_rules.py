@@ -25,6 +25,7 @@ import torch
 import triton
 
 import triton_rotary_launch as L
+from rope_bench import graphed
 from triton_rotary_main import RotaryPositionEmbedding
 
 BF16, EPS, TOKENS = torch.bfloat16, 1e-6, 16384
@@ -96,21 +97,9 @@ def lines(P):
     return out
 
 
-def capture(step, sets):
-    """Warm up on a side stream, then one CUDA graph of the step over every set."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for S in sets:
-                step(S)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for S in sets:
-            step(S)
-    torch.cuda.synchronize()
-    return graph
+def graphed_over(step, sets):
+    """One CUDA graph of the step over every buffer set."""
+    return graphed(lambda: [step(S) for S in sets])
 
 
 def time_graphs(graphs, nsets):
@@ -151,7 +140,7 @@ def main():
         steps, graphs = lines(P), {}
         plain = ["copy", "rope_fwd", "rope_bwd"] + (["qkv_rope_fwd"] if P.split else [])
         for name in plain:
-            graphs[(name, "-")] = capture(steps[name], P.sets)
+            graphs[(name, "-")] = graphed_over(steps[name], P.sets)
         for names, rules in ((("norm_fwd", "norm_bwd"), ROPE_RULES),
                              (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES)):
             for name in names:
@@ -160,7 +149,7 @@ def main():
                     L._PLANS.clear()
                     with L.use_launch_rule(RULES[rule_name]):
                         result = flat(steps[name](P.sets[0]))
-                        graphs[(name, rule_name)] = capture(steps[name], P.sets)
+                        graphs[(name, rule_name)] = graphed_over(steps[name], P.sets)
                     if first is None:
                         first = result
                     else:
