@@ -2765,6 +2765,34 @@ def test_plan_cache_keeps_validation():
             apply_rotary_pos_emb(t, freqs, **kwargs)
 
 
+def test_norm_calls_take_the_norms_tiles_and_warps():
+    """A QK-norm forward takes the plain tile in rule.norm_warps warps, its backward
+    rule.norm_backward_tile_bytes in rule.norm_backward_warps (fused QKV too); a call without a
+    norm keeps rule.num_warps."""
+    L = triton_rotary_launch
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(64)
+    t = torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True)
+    qkv = torch.randn(64, 2, 2, 64, device=DEVICE, requires_grad=True)
+    weight = torch.randn(16, device=DEVICE, requires_grad=True)
+    rule = L.launch_rule()._replace(tile_bytes=256, qkv_tile_bytes=256, num_warps=4, norm_warps=1,
+                                    norm_backward_tile_bytes=1024, norm_backward_warps=2,
+                                    min_programs_per_sm=0)
+    with L.use_launch_rule(rule):
+        L._PLANS.clear()
+        apply_rotary_pos_emb(t, freqs, norm_weight=weight).sum().backward()
+        apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], q_norm_weight=weight,
+                                       k_norm_weight=weight)[0].sum().backward()
+        with torch.no_grad():
+            apply_rotary_pos_emb(t, freqs)
+        plans = [p.launch for p in L._PLANS.values() if p.launch is not None]
+    found = {(launch.cfg.NORM != 0, launch.cfg.BACKWARD, launch.kernel is L.rotary_qkv_kernel):
+             (launch.num_warps, launch.cfg.BLOCK_T * launch.cfg.BLOCK_H) for launch in plans}
+    # 256 bytes hold 4 rows of 16 float32 channels, 1024 bytes 16 rows (4 heads x 4 tokens).
+    assert found == {(True, False, False): (1, 4), (True, True, False): (2, 16),
+                     (True, False, True): (1, 4), (True, True, True): (2, 16),
+                     (False, False, False): (4, 4)}, found
+
+
 def test_launch_rule_changes_make_new_plans():
     """test_other_launch_configs plans calls under other launch rules and expects new tiles:
     the plan key must hold the rule. Every change of a rule field plans anew (and a repeated
