@@ -89,6 +89,7 @@ from rope_test_support import (
     plot_accuracy,
     rel_error,
     rotate64,
+    tokens_in_sequences,
     unfused_reference,
 )
 from te_comparator import load_te_rope
@@ -166,6 +167,11 @@ def _pairwise_cover(cases, primary):
     while uncovered:  # pairs that no primary combination's pick brought in
         pick(range(len(cases)))
     return [cases[k] for k in sorted(chosen)]
+
+
+def _case_id(case):
+    """Test id of a dict of keyword arguments: key=value pairs joined by '-'."""
+    return "-".join(f"{k}={v}" for k, v in case.items())
 
 
 def _value_id(value):
@@ -335,7 +341,7 @@ GRADCHECK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=_case_id)
 def test_gradcheck_float64(case):
     case = dict(case)
     rotary_dim = case.pop("rotary_dim", 8)
@@ -599,7 +605,7 @@ QK_NORM_GRADCHECK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", QK_NORM_GRADCHECK_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", QK_NORM_GRADCHECK_CASES, ids=_case_id)
 def test_qk_norm_gradcheck_float64(case):
     """The gradients of the input and of the weight, against finite differences, with the
     backward's loop over several token blocks per program (a small launch rule)."""
@@ -2961,7 +2967,7 @@ SANITIZE_CASES = [
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("case", SANITIZE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", SANITIZE_CASES, ids=_case_id)
 def test_sanitize_cases(case):
     torch.manual_seed(14)
     case = dict(case)
@@ -3003,7 +3009,7 @@ SANITIZE_NORM_CASES = [
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("case", SANITIZE_NORM_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", SANITIZE_NORM_CASES, ids=_case_id)
 def test_sanitize_qk_norm(case):
     """Output and the gradients of the input and the weight (`_check_qk_norm_call`)."""
     torch.manual_seed(15)
@@ -3012,11 +3018,8 @@ def test_sanitize_qk_norm(case):
     norm = dict(norm_over=case.pop("norm_over"), norm_offset=case.pop("norm_offset", 0.0), norm_eps=1e-6)
     in_seq = None
     if "cu_seqlens" in case:
-        cu, cp = case["cu_seqlens"], case.get("cp_size", 1)
-        in_seq = torch.zeros(shape[0], dtype=torch.bool, device=DEVICE)
-        for start, end in zip(cu[:-1], cu[1:]):
-            in_seq[start // cp:end // cp] = True
-        case["cu_seqlens"] = int_tensor(cu)
+        in_seq = tokens_in_sequences(case["cu_seqlens"], shape[0], case.get("cp_size", 1))
+        case["cu_seqlens"] = int_tensor(case["cu_seqlens"])
     t = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     norm["norm_weight"] = torch.randn(shape[-1] * (1 if norm["norm_over"] == "head" else shape[-2]),
                                       device=DEVICE, dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from rope_test_support import DEVICE
+from rope_test_support import DEVICE, tokens_in_sequences
 from triton_rotary_main import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 try:
@@ -176,9 +176,7 @@ def rope_calls(draw):
             # Sorted global offsets: empty sequences, a first one after 0, ends past the tokens.
             cu = sorted(draw(st.lists(st.integers(0, (tokens + 3) * cp_size), min_size=2, max_size=5)))
             kwargs["cu_seqlens"] = index_tensor(draw, cu)
-            in_seq = torch.zeros(tokens, dtype=torch.bool, device=DEVICE)
-            for start, end in zip(cu[:-1], cu[1:]):
-                in_seq[start // cp_size:end // cp_size] = True
+            in_seq = tokens_in_sequences(cu, tokens, cp_size)
             if cp_size == 1 and draw(st.booleans()):
                 starts = draw(st.lists(st.integers(-1, 4), min_size=len(cu) - 1, max_size=len(cu) - 1))
                 kwargs["start_positions"] = index_tensor(draw, starts)

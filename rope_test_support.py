@@ -103,6 +103,15 @@ def independent_positions(seq_len, cp_size, cp_rank):
             + list(range(full - (cp_rank + 1) * half, full - cp_rank * half)))
 
 
+def tokens_in_sequences(cu_seqlens, num_tokens, cp_size=1):
+    """[num_tokens] bool: which of a rank's thd tokens lie inside a sequence of the global
+    offsets `cu_seqlens` (a list), each sequence holding 1 / cp_size of its tokens on the rank."""
+    in_seq = torch.zeros(num_tokens, dtype=torch.bool, device=DEVICE)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        in_seq[start // cp_size:end // cp_size] = True
+    return in_seq
+
+
 def int_tensor(values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype, device=DEVICE)
 
