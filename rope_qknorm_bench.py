@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """QK-norm + RoPE benchmark: the repo's fused Triton call against transformers eager,
-torch.compile and Liger, for q and k together, in units of one device copy of q and k.
+torch.compile, Liger and axolotl's fused kernel, for q and k together, in units of one device
+copy of q and k.
 
     python rope_qknorm_bench.py OUT            # on a GPU, from the repository root
     TRITON_INTERPRET=1 python rope_qknorm_bench.py OUT --dry-run    # CPU, tiny, one call per line
@@ -10,6 +11,10 @@ CUDA graph and replayed REPLAYS times; lines are interleaved round-robin in each
 rounds; the median per-step time is reported. A line whose capture fails is timed eagerly
 ("graph": false). Writes OUT/qknorm.json (rows), OUT/qknorm.log (table, also printed) and
 OUT/qknorm.png.
+
+Peers are optional, as in the main benchmark (docs/benchmarks.md): Liger from its wheel, and
+axolotl's `src/axolotl/kernels/gemma4_fused_rope.py` (which imports Liger) as
+`.peers/axolotl/kernels/gemma4_fused_rope.py` with empty `__init__.py` files, on PYTHONPATH.
 """
 import gc
 import json
@@ -40,14 +45,26 @@ try:
     LIGER_NOTE = None
 except Exception as e:                      # not installed, or broken: the line is skipped
     LIGER_NOTE = f"liger skipped: {type(e).__name__}: {e}"
+try:
+    from axolotl.kernels.gemma4_fused_rope import fused_rms_norm_rope as axolotl_norm_rope
+    AXOLOTL_NOTE = None
+except Exception as e:                      # not on PYTHONPATH (see above): the line is skipped
+    AXOLOTL_NOTE = f"axolotl skipped: {type(e).__name__}: {e}"
 
 BF16, EPS = torch.bfloat16, 1e-6
 ROUNDS, REPLAYS = 7, 10
 MIN_SETS, MIN_ROT_BYTES = 4, 256 << 20      # rotating q+k buffers: >= 4 sets and > 200 MB
-BUDGET_S = 180                              # skip the remaining points past this (4 min cap)
+BUDGET_S = 420                              # skip the remaining points past this
+QWEN3 = dict(offset=0.0, over="head", base=1e6, hf=hf_qwen3, norm=hf_qwen3.Qwen3RMSNorm,
+             liger_cast="llama")
 MODELS = [  # q heads, kv heads, head dim, norm offset, norm over, transformers module
-    dict(model="Qwen3-8B", hq=32, hk=8, d=128, offset=0.0, over="head", base=1e6, hf=hf_qwen3,
-         norm=hf_qwen3.Qwen3RMSNorm, liger_cast="llama", tokens=(8192, 16384, 32768)),
+    dict(QWEN3, model="Qwen3-8B", hq=32, hk=8, d=128, tokens=(8192, 16384, 32768)),
+    # One rank of 8 under tensor parallelism: 4 query heads and 1 key head.
+    dict(QWEN3, model="Qwen3-8B-TP8", hq=4, hk=1, d=128, tokens=(16384, 65536)),
+    dict(QWEN3, model="Qwen3-32B", hq=64, hk=8, d=128, tokens=(16384,)),
+    # Sequences of lognormal lengths packed into one batch row (thd with cu_seqlens for ours;
+    # positions restarting per sequence for the others, as transformers packs them).
+    dict(QWEN3, model="Qwen3-8B-packed", hq=32, hk=8, d=128, tokens=(16384,), packed=True),
     dict(model="Gemma-3-12B", hq=16, hk=8, d=256, offset=1.0, over="head", base=1e6, hf=hf_gemma3,
          norm=hf_gemma3.Gemma3RMSNorm, liger_cast="gemma", tokens=(16384,)),
     dict(model="OLMo-2-7B", hq=32, hk=32, d=128, offset=0.0, over="token", base=5e5, hf=hf_olmo2,
@@ -55,18 +72,28 @@ MODELS = [  # q heads, kv heads, head dim, norm offset, norm over, transformers 
 ]
 if DRY:
     MODELS = [dict(m, hq=4, hk=2, d=32, tokens=(64,)) for m in MODELS]
-LINES = ["copy", "ours", "ours_qkv", "eager_norm_ours_rope", "transformers_eager", "torch_compile",
-         "liger"]
+LINES = ["copy", "ours", "ours_table", "ours_qkv", "eager_norm_ours_rope", "transformers_eager", "torch_compile",
+         "liger", "axolotl"]
 
 
 def build_point(cfg, s, dev):
     """Weights, tables, transformers/Liger norm modules and the rotating buffer sets."""
     hq, hk, d = cfg["hq"], cfg["hk"], cfg["d"]
     nw = (lambda h: d) if cfg["over"] == "head" else (lambda h: h * d)
-    P = SimpleNamespace(cfg=cfg, s=s)
-    P.freqs = trm.RotaryPositionEmbedding(d, rotary_base=cfg["base"], device=dev)(s)
-    P.cos = P.freqs[:s, 0, 0].cos()[None].to(BF16)                  # [1, s, d], as transformers
-    P.sin = P.freqs[:s, 0, 0].sin()[None].to(BF16)
+    P = SimpleNamespace(cfg=cfg, s=s, cu=None)
+    P.pos = torch.arange(s, device=dev)
+    if cfg.get("packed"):
+        P.cu = packed_cu_seqlens(s, dev)
+        starts = torch.repeat_interleave(P.cu[:-1], (P.cu[1:] - P.cu[:-1]).long())
+        P.pos = P.pos - starts
+    # Our lines take the module: angles from positions, exact, and no table to read (which at
+    # few heads per token costs as much traffic as the heads). ours_table takes TE's table.
+    P.rope = trm.RotaryPositionEmbedding(d, rotary_base=cfg["base"], device=dev)
+    P.freqs = P.rope(s)
+    P.ang = P.freqs[P.pos, 0, 0]                                    # [s, d]: float32, as transformers
+    P.exact_ang = P.pos[:, None].double() * torch.cat([P.rope.inv_freq.double()] * 2)
+    P.cos = P.ang.cos()[None].to(BF16)                              # [1, s, d], as transformers
+    P.sin = P.ang.sin()[None].to(BF16)
     centre = 0.0 if cfg["offset"] else 1.0
     P.wq, P.wk = (torch.nn.Parameter((centre + 0.1 * torch.randn(nw(h), device=dev)).to(BF16))
                   for h in (hq, hk))
@@ -87,6 +114,18 @@ def build_point(cfg, s, dev):
         S.q.requires_grad_(), S.k.requires_grad_()
         P.sets.append(S)
     return P
+
+
+def packed_cu_seqlens(total, dev):
+    """cu_seqlens (int32) of lognormal sequence lengths (median 1024 tokens, at most an eighth
+    of the total) filling `total` tokens."""
+    gen, median = torch.Generator().manual_seed(0), min(1024, max(16, total // 8))
+    lengths, left = [], total
+    while left > 0:
+        n = int(torch.empty(1).log_normal_(math.log(median), 0.8, generator=gen).clamp(16, left))
+        lengths.append(n)
+        left -= n
+    return torch.tensor([0] + lengths, device=dev).cumsum(0).to(torch.int32)
 
 
 def make_lines(P, mode):
@@ -113,23 +152,35 @@ def make_lines(P, mode):
     ins = lambda S: (S.q, S.k, wq, wk)
     g_bshd = lambda S: (S.gq, S.gk)
     g_bhsd = lambda S: (S.gq.transpose(1, 2), S.gk.transpose(1, 2))
+    if P.cu is None:
+        ours_fmt, view = dict(tensor_format="bshd"), (lambda x: x)
+    else:                           # the packed row as thd: [t, h, d] and the sequences' bounds
+        # A view, not x[0]: select's backward would add a zero fill and a copy of the gradient.
+        ours_fmt, view = dict(tensor_format="thd", cu_seqlens=P.cu), (lambda x: x.view(x.shape[1:]))
+    kw.update(ours_fmt)
+    g_ours = lambda S: (view(S.gq), view(S.gk))
     lines = {"copy": None}
-    lines["ours"] = lambda S: ((trm.apply_rotary_pos_emb(S.q, P.freqs, norm_weight=wq, **kw),
-                                trm.apply_rotary_pos_emb(S.k, P.freqs, norm_weight=wk, **kw)),
-                               ins(S), g_bshd(S))
+    lines["ours"] = lambda S: ((trm.apply_rotary_pos_emb(view(S.q), P.rope, norm_weight=wq, **kw),
+                                trm.apply_rotary_pos_emb(view(S.k), P.rope, norm_weight=wk, **kw)),
+                               ins(S), g_ours(S))
+    lines["ours_table"] = lambda S: (
+        (trm.apply_rotary_pos_emb(view(S.q), P.freqs, norm_weight=wq, **kw),
+         trm.apply_rotary_pos_emb(view(S.k), P.freqs, norm_weight=wk, **kw)), ins(S), g_ours(S))
     if P.qkv_ok:
         d = cfg["d"]
         split = [cfg["hq"] // cfg["hk"] * d, d, d]
+        # Fused QKV takes no cu_seqlens: the packed row goes in with its positions.
+        qkv_pos = dict(positions=P.pos[None]) if P.cu is not None else {}
         lines["ours_qkv"] = lambda S: (trm.apply_fused_qkv_rotary_pos_emb(
-            S.qkv, P.freqs, P.freqs, split, tensor_format="bshd", q_norm_weight=wq,
-            k_norm_weight=wk, norm_eps=EPS, norm_offset=cfg["offset"])[:2],
+            S.qkv, P.rope, P.rope, split, tensor_format="bshd", q_norm_weight=wq,
+            k_norm_weight=wk, norm_eps=EPS, norm_offset=cfg["offset"], **qkv_pos)[:2],
             (S.qkv, wq, wk), g_bshd(S))
     else:
         lines["ours_qkv"] = "n/a (fused QKV takes per-head norms only)"
     lines["eager_norm_ours_rope"] = lambda S: (
-        (trm.apply_rotary_pos_emb(eager_norm(S.q, wq), P.freqs, tensor_format="bshd"),
-         trm.apply_rotary_pos_emb(eager_norm(S.k, wk), P.freqs, tensor_format="bshd")),
-        ins(S), g_bshd(S))
+        (trm.apply_rotary_pos_emb(view(eager_norm(S.q, wq)), P.rope, **ours_fmt),
+         trm.apply_rotary_pos_emb(view(eager_norm(S.k, wk)), P.rope, **ours_fmt)),
+        ins(S), g_ours(S))
     lines["transformers_eager"] = lambda S: (hf_fn(S.q, S.k), ins(S), g_bhsd(S))
     if DRY:
         lines["torch_compile"] = "skipped (dry run)"
@@ -151,6 +202,18 @@ def make_lines(P, mode):
             lines["liger"] = liger
         except Exception as e:
             lines["liger"] = f"liger skipped: {type(e).__name__}: {e}"
+    if AXOLOTL_NOTE:
+        lines["axolotl"] = AXOLOTL_NOTE
+    elif cfg["over"] != "head":
+        lines["axolotl"] = "n/a (axolotl's kernel norms each head)"
+    else:
+        unit = bool(cfg["offset"])      # Gemma's 1 + weight
+
+        def axolotl(S):
+            return ((axolotl_norm_rope(S.q, wq, P.cos, P.sin, EPS, unit_offset=unit),
+                     axolotl_norm_rope(S.k, wk, P.cos, P.sin, EPS, unit_offset=unit)),
+                    ins(S), g_bshd(S))
+        lines["axolotl"] = axolotl
     return lines
 
 
@@ -172,7 +235,7 @@ def make_step(fn, mode):
 
 
 def ref64(x, w, cfg, ang):
-    """The same math in float64 (angles from the float32 table, cos and sin not rounded)."""
+    """The same math in float64 (angles exact: position times inv_freq; cos and sin not rounded)."""
     x = x.double()
     xs = x if cfg["over"] == "head" else x.flatten(2)
     y = (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + EPS) * (cfg["offset"] + w.double()))
@@ -188,9 +251,11 @@ def check(P):
     try:
         lines = make_lines(P, "fwd_bwd")
         o_ours, in_ours, g = lines["ours"](S)
+        o_ours, g = [o.view(S.q.shape[0], *o.shape[-3:]) if o.dim() == 3 else o for o in o_ours], \
+            [t.view(1, *t.shape[-3:]) if t.dim() == 3 else t for t in g]
         o_hf, in_hf, g_hf = lines["transformers_eager"](S)
         o_hf = [t.transpose(1, 2) for t in o_hf]
-        ang = P.freqs[:P.s, 0, 0].double()
+        ang = P.exact_ang
         x64 = [t.detach().double().requires_grad_() for t in (S.q, S.k, P.wq, P.wk)]
         o_ref = [ref64(x64[0], x64[2], cfg, ang), ref64(x64[1], x64[3], cfg, ang)]
         n = sum(t.numel() for t in o_ref)
@@ -213,6 +278,15 @@ def check(P):
                                             for a, b in zip(o_qkv, o_ours))
     except Exception as e:
         res["check_error"] = f"{type(e).__name__}: {e}"
+        return res
+    if callable(lines["axolotl"]):      # its backward autotunes here, outside graph capture
+        try:
+            o_ax, in_ax, g_ax = lines["axolotl"](S)
+            res["fwd_meanabs_axolotl_vs_f64"] = mean_vs(o_ax)
+            gr_ax = torch.autograd.grad(o_ax, in_ax, g_ax)
+            res["bwd_dq_rel_axolotl_vs_f64"] = rel(gr_ax[0], gr_ref[0])
+        except Exception as e:
+            res["check_error_axolotl"] = f"{type(e).__name__}: {e}"
     return res
 
 
@@ -283,7 +357,7 @@ def table(P, mode, rows, corr, nsets):
         else:
             out.append(f"  {r['line']:<22} {r['copies']:8.2f} copies {r['us']:10.1f} us"
                        f"  {'graph' if r['graph'] else 'eager'}" + (f"  {r['note']}" if r.get("note") else ""))
-    keys = [k for k in corr if k.startswith("fwd") or k.startswith("qkv") or k == "check_error"
+    keys = [k for k in corr if k.startswith("fwd") or k.startswith("qkv") or k.startswith("check_error")
             or (mode == "fwd_bwd" and k.startswith("bwd"))]
     out += [f"  check {k} = {corr[k]:.3g}" if isinstance(corr[k], float) else f"  check {k} = {corr[k]}"
             for k in keys]
@@ -337,8 +411,7 @@ def main():
            f"times per step for q and k together; 'copies' = time / time of q_dst.copy_(q); "
            f"k_dst.copy_(k). rounds={ROUNDS} replays={REPLAYS}; ideal fwd 1.0, fwd_bwd 2.5",
            "ours_qkv also writes v (0.2 copies for Qwen3 shapes)"]
-    if LIGER_NOTE:
-        log.append(LIGER_NOTE)
+    log += [note for note in (LIGER_NOTE, AXOLOTL_NOTE) if note]
     print("\n".join(log), flush=True)
     rows = []
     for cfg in MODELS:
