@@ -72,8 +72,8 @@ MODELS = [  # q heads, kv heads, head dim, norm offset, norm over, transformers 
 ]
 if DRY:
     MODELS = [dict(m, hq=4, hk=2, d=32, tokens=(64,)) for m in MODELS]
-LINES = ["copy", "ours", "ours_table", "ours_qkv", "eager_norm_ours_rope", "transformers_eager", "torch_compile",
-         "liger", "axolotl"]
+LINES = ["copy", "ours", "ours_table", "ours_qkv", "eager_norm_ours_rope", "transformers_eager",
+         "torch_compile", "liger", "axolotl"]
 
 
 def build_point(cfg, s, dev):
@@ -251,8 +251,8 @@ def check(P):
     try:
         lines = make_lines(P, "fwd_bwd")
         o_ours, in_ours, g = lines["ours"](S)
-        o_ours, g = [o.view(S.q.shape[0], *o.shape[-3:]) if o.dim() == 3 else o for o in o_ours], \
-            [t.view(1, *t.shape[-3:]) if t.dim() == 3 else t for t in g]
+        as_bshd = lambda t: t.view(1, *t.shape) if t.dim() == 3 else t     # thd: one batch row
+        o_ours, g = [as_bshd(o) for o in o_ours], [as_bshd(t) for t in g]
         o_hf, in_hf, g_hf = lines["transformers_eager"](S)
         o_hf = [t.transpose(1, 2) for t in o_hf]
         ang = P.exact_ang
