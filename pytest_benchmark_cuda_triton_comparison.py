@@ -2975,7 +2975,7 @@ def test_sanitize_cases(case):
     rotary_dim, margin = case.pop("rotary_dim", shape[-1]), case.pop("margin", 0)
     for key in ("cu_seqlens", "start_positions"):
         if key in case:
-            case[key] = torch.tensor(case[key], dtype=torch.int32, device=DEVICE)
+            case[key] = int_tensor(case[key])
     t = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     if transpose:
         t = t.transpose(*transpose).contiguous().transpose(*transpose)
