@@ -631,6 +631,58 @@ def test_qk_norm_gradcheck_float64(case):
             lambda x, w: apply_rotary_pos_emb(x, freqs, norm_weight=w, norm_over=over, **case), (t, weight))
 
 
+@pytest.mark.skipif(not ON_GPU and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7),
+                    reason="the interpreters of Triton 3.5 and 3.6 cannot run a range over tensor bounds")
+def test_qk_norm_pipelined_backward_matches_the_plain_loop():
+    """The backward of a norm, its token loop software-pipelined (rule.norm_pipeline_stages,
+    rule.qkv_norm_pipeline_stages for fused QKV), gives the same bits as the plain loop,
+    dL/dweight included, with several token blocks per program; it is planned for angles from
+    positions only, not from a table or where thd tiles search cu_seqlens."""
+    L = triton_rotary_launch
+    torch.manual_seed(63)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    weight = torch.randn(16, device=DEVICE, requires_grad=True)
+    calls = {
+        "bshd": (torch.randn(2, 9, 3, 16, device=DEVICE), module, dict(tensor_format="bshd")),
+        "sbhd_token": (torch.randn(9, 2, 3, 16, device=DEVICE), module, dict(norm_over="token")),
+        "thd_positions": (torch.randn(11, 3, 16, device=DEVICE), module,
+                          dict(tensor_format="thd", positions=int_tensor(list(range(11))))),
+        "table": (torch.randn(9, 2, 3, 16, device=DEVICE), module(9), {}),
+        "thd_cu_seqlens": (torch.randn(11, 3, 16, device=DEVICE), module,
+                           dict(tensor_format="thd", cu_seqlens=int_tensor([0, 4, 11]))),
+    }
+    qkv = torch.randn(9, 2, 3, 64, device=DEVICE, requires_grad=True)
+
+    def gradients():
+        out = {}
+        for name, (t, freqs, kwargs) in calls.items():
+            t = t.detach().requires_grad_()
+            w = weight if kwargs.get("norm_over") != "token" else weight.repeat(3).detach().requires_grad_()
+            y = apply_rotary_pos_emb(t, freqs, norm_weight=w, **kwargs)
+            out[name] = torch.autograd.grad(y, (t, w), torch.ones_like(y) + y.detach())
+        q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, module, module, [32, 16, 16], q_norm_weight=weight,
+                                                 k_norm_weight=weight)
+        out["qkv"] = torch.autograd.grad((q * q).sum() + (k * k).sum() + v.sum(), (qkv, weight))
+        return out
+
+    small = L.launch_rule()._replace(tile_bytes=128, qkv_tile_bytes=256, norm_backward_tile_bytes=128,
+                                     search_tile_bytes=128, min_programs_per_sm=0, norm_programs_per_sm=1)
+    results, stages = [], []
+    for pipeline_stages in (0, 3):
+        L._PLANS.clear()
+        with L.use_launch_rule(small._replace(norm_pipeline_stages=pipeline_stages,
+                                              qkv_norm_pipeline_stages=pipeline_stages)):
+            results.append(gradients())
+            stages.append(sorted(p.launch.cfg.PIPELINE_STAGES for p in L._PLANS.values()
+                                 if p.launch is not None and p.launch.cfg.NORM and p.launch.cfg.BACKWARD))
+    for name in results[0]:
+        for plain, pipelined in zip(results[0][name], results[1][name]):
+            assert torch.equal(plain, pipelined), name
+    # Backward plans: bshd, sbhd (token), thd with positions and fused QKV pipelined; the table
+    # and the cu_seqlens search not.
+    assert stages == [[0] * 6, [0, 0, 3, 3, 3, 3]], stages
+
+
 def test_qk_norm_weight_gradient_is_deterministic_and_double_backward_raises():
     """dL/dweight is summed in a fixed order: bitwise the same on every run. A backward that
     records its own graph (double backward) is refused with an error that says so."""

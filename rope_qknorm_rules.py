@@ -5,12 +5,13 @@ triton_rotary_launch.py (NORM_WARPS and the ones after it).
     python rope_qknorm_rules.py OUT        # on a GPU, from the repository root
 
 For the attention inputs of rope_qknorm_bench.py at 16K tokens (bf16), times the launcher's
-calls for q and k (fused QKV: one call) with and without the norm, forward and backward, under
-each rule in RULES, in units of one device copy of q and k. Each line is one CUDA graph over
-rotating buffer sets larger than L2, replayed REPLAYS times per round, lines interleaved
-round-robin over ROUNDS rounds, median reported. Before timing, each variant's result is
-compared with the first rule's (the same up to the order of the sums of dL/dweight). Writes
-OUT/rules.log and OUT/rules.json.
+calls for q and k (fused QKV: one call) with and without the norm, forward and backward (with
+TE's table; `norm_bwd_exact` and `qkv_norm_bwd_exact` with the module's exact angles, the path
+the backward's pipelining serves), under each rule in RULES, in units of one device copy of q
+and k. Each line is one CUDA graph over rotating buffer sets larger than L2, replayed REPLAYS
+times per round, lines interleaved round-robin over ROUNDS rounds, median reported. Before
+timing, each variant's result is compared with the first rule's (the same up to the order of
+the sums of dL/dweight). Writes OUT/rules.log and OUT/rules.json.
 """
 import json
 import math
@@ -48,16 +49,23 @@ RULES = {
                                    norm_programs_per_sm=4),
     "bwd_4_programs": G._replace(norm_programs_per_sm=4),
     "bwd_4_warps": G._replace(norm_backward_warps=4, norm_programs_per_sm=4),
+    "bwd_unpipelined": G._replace(norm_pipeline_stages=0),
+    "bwd_2_stages": G._replace(norm_pipeline_stages=2),
+    "bwd_4_stages": G._replace(norm_pipeline_stages=4),
+    "qkv_bwd_pipelined": G._replace(qkv_norm_pipeline_stages=3),
 }
 ROPE_RULES = ("rule", "plain", "fwd_4_warps", "bwd_4KiB_4_warps", "bwd_4_programs")
+EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_4_programs")
 QKV_RULES = ("rule", "plain_qkv", "fwd_4_warps", "bwd_4_warps")
+QKV_EXACT_RULES = ("rule", "qkv_bwd_pipelined")
 
 
 def build(p, dev="cuda"):
     """Tables, norms and rotating buffer sets (> 256 MB of q and k in all) for one point."""
     s, hq, hk, d = TOKENS, p["hq"], p["hk"], p["d"]
     width = (lambda h: d) if p["over"] == "head" else (lambda h: h * d)
-    P = SimpleNamespace(freqs=RotaryPositionEmbedding(d, rotary_base=1e6, device=dev)(s))
+    module = RotaryPositionEmbedding(d, rotary_base=1e6, device=dev)
+    P = SimpleNamespace(freqs=module(s), module=module)
     P.nq, P.nk = (L.RMSNorm((1.0 + 0.1 * torch.randn(width(h), device=dev)).to(BF16), EPS,
                             p["offset"], p["over"]) for h in (hq, hk))
     P.split = [hq // hk * d, d, d] if p["over"] == "head" else None
@@ -87,11 +95,16 @@ def lines(P):
         "norm_bwd": lambda S: (
             *rope(S.gq, f, backward=True, norm=P.nq, norm_input=S.q, **kw),
             *rope(S.gk, f, backward=True, norm=P.nk, norm_input=S.k, **kw)),
+        "norm_bwd_exact": lambda S: (
+            *rope(S.gq, P.module, backward=True, norm=P.nq, norm_input=S.q, **kw),
+            *rope(S.gk, P.module, backward=True, norm=P.nk, norm_input=S.k, **kw)),
     }
     if P.split:
         qkv = L.set_rotary_qkv_kernel
         out["qkv_rope_fwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd")
         out["qkv_norm_fwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd", q_norm=P.nq, k_norm=P.nk)
+        out["qkv_norm_bwd_exact"] = lambda S: qkv(S.qkv, P.module, P.module, P.split, "bshd",
+                                                  grads=S.grads, q_norm=P.nq, k_norm=P.nk)
         out["qkv_norm_bwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd", grads=S.grads,
                                             q_norm=P.nq, k_norm=P.nk)
     return out
@@ -142,7 +155,9 @@ def main():
         for name in plain:
             graphs[(name, "-")] = graphed_over(steps[name], P.sets)
         for names, rules in ((("norm_fwd", "norm_bwd"), ROPE_RULES),
-                             (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES)):
+                             (("norm_bwd_exact",), EXACT_RULES),
+                             (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES),
+                             (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES)):
             for name in names:
                 first = None
                 for rule_name in rules:

@@ -175,6 +175,7 @@ class Variant(NamedTuple):
     BLOCK_V: int = 0            # fused QKV: power of two >= v_dim
     INVERSE: bool = False       # rotate by the negated angles (see the module docstring)
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
+    PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -183,20 +184,15 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
     """RoPE of x (View) into out (View; out == x in place), angles from `angles` (Angles) at
     the positions `positions` (Positions) gives, `shape` a HeadShape, `norm` a Norm (or None),
     `cfg` a Variant. A program rotates a tile of BLOCK_T tokens x BLOCK_H heads; the backward
-    of a norm, every token_programs-th tile from its own on (`_token_programs`)."""
+    of a norm, every token_programs-th tile from its own on (`_norm_backward_tiles`)."""
     head_programs = tl.cdiv(shape.nheads, cfg.BLOCK_H)
     tok_block, head_block = _program_block(head_programs, cfg.FLAT_GRID)
     heads = head_block * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
     if cfg.NORM != NO_NORM and cfg.BACKWARD:
-        token_programs = _token_programs(head_programs, cfg)
-        dw1, dw2, dw_pass = _dw_zeros(cfg.BLOCK_H, x, cfg)
-        block = tok_block
-        while block < tl.cdiv(num_tokens, cfg.BLOCK_T):
-            d1, d2, d_pass = _rope_tile(block, x, out, heads, 1, shape, tokens, angles, positions,
-                                        norm, cfg)
-            dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
-            block += token_programs
+        dw1, dw2, dw_pass = _norm_backward_tiles(
+            tok_block, _token_programs(head_programs, cfg), x, out, None, heads, 1, shape, 0,
+            tokens, angles, positions, norm, cfg)
         _store_dw(norm, tok_block * head_programs + head_block, heads, shape, dw1, dw2, dw_pass,
                   cfg)
     else:
@@ -213,18 +209,15 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
     k_programs = tl.cdiv(shape.kv_heads, cfg.BLOCK_KV)
     tok_block, pid_h = _program_block(shape.q_programs + k_programs, cfg.FLAT_GRID)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
+    NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
     if pid_h < shape.q_programs:
         q_heads = pid_h * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
         q_shape = HeadShape(shape.kv_heads * shape.q_per_kv, shape.head_dim, shape.rotary_dim)
-        if cfg.NORM != NO_NORM and cfg.BACKWARD:
-            token_programs = _token_programs(shape.q_programs + k_programs, cfg)
-            dwq1, dwq2, dwq_pass = _dw_zeros(cfg.BLOCK_H, q.src, cfg)
-            block = tok_block
-            while block < tl.cdiv(num_tokens, cfg.BLOCK_T):
-                d1, d2, d_pass = _rope_tile(block, q.src, q.dst, q_heads, shape.q_per_kv,
-                                            q_shape, tokens, q_angles, positions, q_norm, cfg)
-                dwq1, dwq2, dwq_pass = dwq1 + d1, dwq2 + d2, dwq_pass + d_pass
-                block += token_programs
+        if NORM_BACKWARD:
+            dwq1, dwq2, dwq_pass = _norm_backward_tiles(
+                tok_block, _token_programs(shape.q_programs + k_programs, cfg), q.src, q.dst,
+                None, q_heads, shape.q_per_kv, q_shape, 0, tokens, q_angles, positions, q_norm,
+                cfg)
             _store_dw(q_norm, tok_block * shape.q_programs + pid_h, q_heads, q_shape, dwq1, dwq2,
                       dwq_pass, cfg)
         else:
@@ -234,29 +227,75 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         k_program = pid_h - shape.q_programs
         k_heads = k_program * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
         k_shape = HeadShape(shape.kv_heads, shape.head_dim, shape.rotary_dim)
-        if cfg.NORM != NO_NORM and cfg.BACKWARD:
-            token_programs = _token_programs(shape.q_programs + k_programs, cfg)
-            dwk1, dwk2, dwk_pass = _dw_zeros(cfg.BLOCK_KV, k.src, cfg)
-            block = tok_block
-            while block < tl.cdiv(num_tokens, cfg.BLOCK_T):
-                d1, d2, d_pass = _kv_tile(block, k, v, k_heads, k_shape, shape.v_dim, tokens,
-                                          k_angles, positions, k_norm, cfg)
-                dwk1, dwk2, dwk_pass = dwk1 + d1, dwk2 + d2, dwk_pass + d_pass
-                block += token_programs
+        if NORM_BACKWARD:
+            dwk1, dwk2, dwk_pass = _norm_backward_tiles(
+                tok_block, _token_programs(shape.q_programs + k_programs, cfg), k.src, k.dst, v,
+                k_heads, 1, k_shape, shape.v_dim, tokens, k_angles, positions, k_norm, cfg)
             _store_dw(k_norm, tok_block * k_programs + k_program, k_heads, k_shape, dwk1, dwk2,
                       dwk_pass, cfg)
         else:
-            _kv_tile(tok_block, k, v, k_heads, k_shape, shape.v_dim, tokens, k_angles, positions,
-                     k_norm, cfg)
+            _kv_tile(tok_block, k.src, k.dst, v, k_heads, k_shape, shape.v_dim, tokens, k_angles,
+                     positions, k_norm, cfg)
 
 
 @triton.jit
-def _kv_tile(tok_block, k, v, k_heads, k_shape, v_dim, tokens, k_angles, positions, k_norm,
-             cfg: tl.constexpr):
-    """Key heads, with the value heads of the same kv heads copied alongside: a key tile alone
-    would be a small program (a quarter of a query tile under 4:1 GQA). The values are loaded
-    first and stored last, so that their loads overlap the key tile's. Returns what
-    `_rope_tile` returns."""
+def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_group, shape,
+                         v_dim, tokens, angles, positions, norm, cfg: tl.constexpr):
+    """The backward of a norm: the tiles of every token_programs-th token block from tok_block
+    on (`_rope_tile`'s arguments; with `v` an InOut, key tiles with their values, `_kv_tile`),
+    and their dL/dweight summed.
+
+    With cfg.PIPELINE_STAGES, the loop is software-pipelined: Triton copies the next tiles'
+    gradient and norm input into shared memory (cp.async) while this one is worked on, so
+    that the loads in flight hold no registers (the registers of the norm's sums leave room
+    for two programs of 8 warps per SM, too few to hide the load latency by themselves).
+    Triton pipelines only innermost `for` loops: the tile's angles are then worked out per
+    thread (`_rope_tile`). Otherwise (and in the interpreter: those of Triton 3.5.1 and 3.6
+    fail on a `range` over tensor bounds) a plain `while` loop."""
+    dw1, dw2, dw_pass = _dw_zeros(heads.shape[0], x, cfg)
+    # Loaded once: inside the loop, the tiles' stores (which might alias the weight, for all
+    # the compiler knows) would have every tile load and convert it again.
+    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
+    offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
+    offs_p = shape.rotary_dim + tl.arange(0, max(cfg.BLOCK_PASS, 1))
+    weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
+    num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
+    if cfg.PIPELINE_STAGES > 0:
+        for block in tl.range(tok_block, num_blocks, token_programs,
+                              num_stages=cfg.PIPELINE_STAGES):
+            d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
+                                   tokens, angles, positions, norm, weights, cfg)
+            dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
+    else:
+        block = tok_block
+        while block < num_blocks:
+            d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
+                                   tokens, angles, positions, norm, weights, cfg)
+            dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
+            block += token_programs
+    return dw1, dw2, dw_pass
+
+
+@triton.jit
+def _tile(tok_block, x, out, v, heads, heads_per_group, shape, v_dim, tokens, angles, positions,
+          norm, weights, cfg: tl.constexpr):
+    """`_rope_tile`, or `_kv_tile` where there are values to copy (v an InOut, not None)."""
+    if v is None:
+        dw = _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
+                        positions, norm, cfg, weights)
+    else:
+        dw = _kv_tile(tok_block, x, out, v, heads, shape, v_dim, tokens, angles, positions, norm,
+                      cfg, weights)
+    return dw
+
+
+@triton.jit
+def _kv_tile(tok_block, k, k_out, v, k_heads, k_shape, v_dim, tokens, k_angles, positions, k_norm,
+             cfg: tl.constexpr, weights=None):
+    """Key heads (k into k_out, Views), with the value heads of the same kv heads copied
+    alongside (v an InOut): a key tile alone would be a small program (a quarter of a query
+    tile under 4:1 GQA). The values are loaded first and stored last, so that their loads
+    overlap the key tile's. Returns what `_rope_tile` returns."""
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
     v_heads = k_heads
     dims = tl.arange(0, cfg.BLOCK_V)
@@ -267,8 +306,8 @@ def _kv_tile(tok_block, k, v, k_heads, k_shape, v_dim, tokens, k_angles, positio
               & (dims < v_dim)[None, None, :])
     v_src = _tile_base(v.src, seq_idx, batch_idx, v_heads * v.src.strides[2])
     values = tl.load(v_src + (dims * v.src.strides[3])[None, None, :], mask=mask_v)
-    dw = _rope_tile(tok_block, k.src, k.dst, k_heads, 1, k_shape, tokens, k_angles, positions,
-                    k_norm, cfg)
+    dw = _rope_tile(tok_block, k, k_out, k_heads, 1, k_shape, tokens, k_angles, positions,
+                    k_norm, cfg, weights)
     v_dst = _tile_base(v.dst, seq_idx, batch_idx, v_heads * v.dst.strides[2])
     tl.store(v_dst + (dims * v.dst.strides[3])[None, None, :], values, mask=mask_v)
     return dw
@@ -290,7 +329,7 @@ def _program_block(head_programs, FLAT_GRID: tl.constexpr):
 
 @triton.jit
 def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles, positions, norm,
-               cfg: tl.constexpr):
+               cfg: tl.constexpr, weights=None):
     """Rotate one tile: the program's BLOCK_T tokens times the given heads.
 
     All loads of the tile are issued first, and positions and cos/sin are worked out while
@@ -301,8 +340,10 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
 
     With a norm (`cfg.NORM`), the forward normalizes x before rotating it; the backward
     rotates the gradient x back, then takes it through the norm's transpose, reading the
-    norm's input from norm.x. Returns the tile's dL/dweight ([H, BLOCK_HALF] for each member
-    of the pairs, [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of a norm.
+    norm's input from norm.x; `weights`, if given, are the norm's weights as `_norm_weight`
+    gives them (else loaded here). Returns the tile's dL/dweight ([H, BLOCK_HALF] for each
+    member of the pairs, [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of
+    a norm.
     """
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
     mask_th = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]      # [T, H, 1]
@@ -350,8 +391,11 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         n_pass = tl.load(n_base + offs_p[None, None, :] * n_dim, mask=mask_p,
                          other=0.0).to(compute_dtype)
     if cfg.NORM != NO_NORM:
-        w1, w2, w_pass = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype,
-                                      cfg)
+        if weights is None:
+            w1, w2, w_pass = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p,
+                                          compute_dtype, cfg)
+        else:
+            w1, w2, w_pass = weights
         width = _norm_width(shape, cfg)
         if not cfg.BACKWARD:
             x_pass = x_pass.to(compute_dtype)
@@ -365,10 +409,11 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         # of positions or a table, it slows the tile (docs/design.md).
         tl.debug_barrier()
     # Positions and cos/sin depend on the token (and pair) only: worked out once for the
-    # tile's tokens and shared by its heads.
+    # tile's tokens and shared by its heads, except in a pipelined loop
+    # (`_norm_backward_tiles`), where each thread works out its own.
     in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
         angles, positions, tok, tok_block * BLOCK_T, seq_idx, batch_idx, tokens, rotary_dim,
-        compute_dtype, BLOCK_H > 1, cfg)
+        compute_dtype, BLOCK_H > 1 and cfg.PIPELINE_STAGES == 0, cfg)
     cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
     # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b (the table in the module docstring).
     if cfg.BACKWARD:
@@ -534,8 +579,7 @@ def _rms_norm_backward(g1, g2, g_pass, x1, x2, x_pass, w1, w2, w_pass, width, ep
 @triton.jit
 def _token_programs(head_programs, cfg: tl.constexpr):
     """Programs along the tokens: the backward of a norm launches fewer than there are token
-    blocks, each looping over every token_programs-th block from its own (a `while` loop: a
-    tensor bound in `range` fails in Triton 3.5.1's interpreter)."""
+    blocks, each looping over every token_programs-th block from its own."""
     if cfg.FLAT_GRID:
         return tl.num_programs(0) // head_programs
     return tl.num_programs(0)

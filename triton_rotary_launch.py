@@ -75,7 +75,22 @@ NORM_BACKWARD_WARPS = 8
 # small fraction of the traffic: as many as are resident at once (two of 8 warps, at the
 # backward's registers), so that none waits for a second wave.
 NORM_PROGRAMS_PER_SM = 2
+# That backward's token loop is software-pipelined this many stages deep where its angles come
+# from positions: the next tiles' loads go to shared memory while a tile is worked on. Kernels
+# alone, q and k at 16K tokens, bf16, exact angles (rope_qknorm_rules.py, artifacts/qknorm/
+# rules_*), in copies of q and k, H100 / H200: Qwen3-8B 1.73 / 2.05 against 1.84 / 2.21
+# unpipelined, Gemma 3 1.73 / 2.04 against 1.86 / 2.19, OLMo 2 1.68 / 2.14 against 2.07 / 2.61;
+# 2 and 4 stages were slower than 3 at every point. A pipelined tile works out its angles per
+# thread, not once per token (`_norm_backward_tiles`): from a table (a sin/cos polynomial per
+# channel) that made the backward 1.5x slower (H100), so the table path keeps the plain loop.
+NORM_PIPELINE_STAGES = 3
+# The fused-QKV backward, whose key programs also copy the values, ran slower pipelined (3
+# stages, exact angles): Qwen3-8B 2.56 / 3.47 against 2.33 / 2.91, Gemma 3 2.43 / 2.99 against
+# 2.25 / 2.61 (H100 / H200). It keeps the plain loop.
+QKV_NORM_PIPELINE_STAGES = 0
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
+# It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
+# tensor bounds), so its rule pipelines nothing.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
 INTERPRETER_NORM_PROGRAMS = 2
@@ -92,15 +107,17 @@ class LaunchRule(NamedTuple):
     norm_warps: int
     norm_backward_tile_bytes: int
     norm_backward_warps: int
+    norm_pipeline_stages: int
+    qkv_norm_pipeline_stages: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
                       NORM_PROGRAMS_PER_SM, NORM_WARPS, NORM_BACKWARD_TILE_BYTES,
-                      NORM_BACKWARD_WARPS)
+                      NORM_BACKWARD_WARPS, NORM_PIPELINE_STAGES, QKV_NORM_PIPELINE_STAGES)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               INTERPRETER_NORM_PROGRAMS, NUM_WARPS, INTERPRETER_TILE_BYTES,
-                              NUM_WARPS)
+                              NUM_WARPS, 0, 0)
 _RULE_OVERRIDE = [None]
 
 
@@ -552,6 +569,16 @@ def _norm_tile(rule: LaunchRule, tile_bytes: int, backward: bool):
     return tile_bytes, rule.norm_warps
 
 
+def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -> int:
+    """The Variant's PIPELINE_STAGES: `stages` (the rule's for the kernel) for the backward of a
+    norm with angles from positions, else 0: not for angles from a table (NORM_PIPELINE_STAGES
+    says why), nor where thd tiles search cu_seqlens (the search's loops leave Triton nothing to
+    pipeline, and its tiles would still lose their shared angles)."""
+    if norm_backward and source.from_positions and not searches:
+        return stages
+    return 0
+
+
 _MAX_GRID_X = 2**31 - 1
 
 
@@ -853,8 +880,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                  for _, _, s_h, s_d in (x_strides, out_strides))
     is_thd = tensor_format == "thd"
     rule = launch_rule()
-    tile_bytes, num_warps = (rule.search_tile_bytes if is_thd and positions is None
-                             else rule.tile_bytes), None
+    searches = is_thd and positions is None          # tiles search cu_seqlens
+    tile_bytes, num_warps = rule.search_tile_bytes if searches else rule.tile_bytes, None
     if norm is not None:
         tile_bytes, num_warps = _norm_tile(rule, tile_bytes, backward)
     # A norm covers every channel, so the channels past rotary_dim are written in place too.
@@ -873,7 +900,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
                   POSITIONS_FROM=_positions_mode(source, positions), FLAT_GRID=flat_grid,
                   IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0,
-                  INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over])
+                  INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
+                  PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
+                                                   norm_backward, searches))
     return _RopePlan(
         _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid, cfg,
                 num_warps),
@@ -1088,7 +1117,9 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                   ANGLES_FROM_POSITIONS=q_source.from_positions,
                   POSITIONS_FROM=_positions_mode(q_source, positions), FLAT_GRID=flat_grid,
                   BLOCK_KV=block_kv, BLOCK_V=block_v, INVERSE=inverse,
-                  NORM=NO_NORM.value if q_norm is None else NORM_OVER_HEAD.value)
+                  NORM=NO_NORM.value if q_norm is None else NORM_OVER_HEAD.value,
+                  PIPELINE_STAGES=_pipeline_stages(rule.qkv_norm_pipeline_stages, q_source,
+                                                   norm_backward, False))
     input_strides = ()
     if norm_backward:
         input_strides = tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:])
