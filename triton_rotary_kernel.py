@@ -257,7 +257,7 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     # the compiler knows) would have every tile load and convert it again.
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
-    offs_p = shape.rotary_dim + tl.arange(0, max(cfg.BLOCK_PASS, 1))
+    offs_p = _pass_channels(shape.rotary_dim, cfg)
     weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
     num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
     if cfg.PIPELINE_STAGES > 0:
@@ -368,7 +368,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, compute_dtype, cfg)
     if cfg.BLOCK_PASS > 0:
         # Channels rotary_dim..head_dim are copied through (normalized, with a norm).
-        offs_p = rotary_dim + tl.arange(0, cfg.BLOCK_PASS)
+        offs_p = _pass_channels(rotary_dim, cfg)
         if cfg.WIDE_INNER:
             offs_p = offs_p.to(tl.int64)
         mask_p = mask_th & (offs_p < shape.head_dim)[None, None, :]
@@ -379,7 +379,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
             x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p)
     elif cfg.NORM != NO_NORM:
         # No channels past rotary_dim: the norm's sums over them see one masked-off channel.
-        offs_p = rotary_dim + tl.arange(0, 1)
+        offs_p = _pass_channels(rotary_dim, cfg)
         mask_p = mask_th & (offs_p < rotary_dim)[None, None, :]
         x_pass = tl.zeros([BLOCK_T, BLOCK_H, 1], compute_dtype)
     if NORM_BACKWARD:
@@ -506,6 +506,14 @@ def _store_pairs(base, dim_stride, offs, half, mask, x1, x2, dtype: tl.constexpr
 
 
 @triton.jit
+def _pass_channels(rotary_dim, cfg: tl.constexpr):
+    """The channels past rotary_dim a tile covers: BLOCK_PASS of them, or where there are none,
+    one (always masked off) for the sums of a norm."""
+    BLOCK: tl.constexpr = max(cfg.BLOCK_PASS, 1)
+    return rotary_dim + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype: tl.constexpr,
                  cfg: tl.constexpr):
     """(w1, w2, w_pass): the norm's weight plus its offset for the tile's channels, shaped to
@@ -612,7 +620,7 @@ def _store_dw(norm, row, heads, shape, dw1, dw2, dw_pass, cfg: tl.constexpr):
     _store_pairs(base, 1, offs, half, rows_ok & channels_ok, dw1[None, :, :], dw2[None, :, :],
                  norm.partial.dtype.element_ty, cfg)
     if cfg.BLOCK_PASS > 0:
-        offs_p = shape.rotary_dim + tl.arange(0, cfg.BLOCK_PASS)
+        offs_p = _pass_channels(shape.rotary_dim, cfg)
         tl.store(base + offs_p[None, None, :], dw_pass[None, :, :],
                  mask=rows_ok & (offs_p < shape.head_dim)[None, None, :])
 
