@@ -2760,6 +2760,18 @@ def test_sin_cos_are_computed_once_per_program():
     assert heads_tile["sin"] == 1, heads_tile
 
 
+def test_pipelined_tiles_compute_sin_cos_once_per_program():
+    """In the software-pipelined backward of a norm (`_norm_backward_tiles`), where one-trip
+    loops would keep Triton from pipelining, `_own_layout` keeps the angles from being
+    recomputed in the tile's layout: at most one sin per thread for 1 token x 16 heads x 64
+    pairs at 4 warps, with positions from the token's index and from an M-RoPE positions
+    tensor (each pair reads its axis), as for the forward's tiles above."""
+    pipelined = dict(BLOCK_T=1, BLOCK_H=16, NORM=1, BACKWARD=True, PIPELINE_STAGES=3,
+                     SEQ_MAJOR=False, FLAT_GRID=True)
+    for tile in _compile_tiles(pipelined, dict(pipelined, POSITIONS_FROM=2)):
+        assert tile["sin"] == 1, tile
+
+
 def test_thd_tile_loads_are_issued_before_the_sequence_search():
     """A thd tile's own loads (16-byte vectors of bf16) come first in the SASS, ahead of the
     search of cu_seqlens for its tokens' sequences (loads evict_last), for angles from

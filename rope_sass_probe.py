@@ -30,7 +30,9 @@ UNSPECIALIZED = ("num_tokens", "seq_len", "batch", "cp_size", "cp_rank")
 
 def example_arguments(cfg):
     """rotary_kernel's arguments for a contiguous bf16 call of 12 heads of 128 channels (sbhd,
-    batch 2; thd), pointers as their Triton types; a tensor the call leaves out is None, and so is the norm."""
+    batch 2; thd), pointers as their Triton types; a tensor the call leaves out is None, and so is
+    the norm unless cfg.NORM asks for one (a bf16 weight; backward: the norm's input and float32
+    partial sums of dL/dweight)."""
     heads, dim = 12, 128
     strides = (heads * dim if cfg.IS_THD else 2 * heads * dim, 0 if cfg.IS_THD else heads * dim, dim, 1)
     axis = cfg.POSITIONS_FROM == K.AXIS_POSITIONS_TENSOR.value
@@ -41,8 +43,13 @@ def example_arguments(cfg):
     position_strides = (0, 0, 0) if implicit else (2048, 1, 0) if axis else (0, 1, 0)
     positions = K.Positions(None if implicit else "*i64", position_strides,
                             "*i32" if cfg.HAS_START else None, "*i32" if cfg.IS_THD else None)
+    norm = None
+    if cfg.NORM != K.NO_NORM.value:
+        backward = cfg.BACKWARD
+        norm = K.Norm("*bf16", 1e-6, 0.0, K.View("*bf16", strides) if backward else None,
+                      "*fp32" if backward else None)
     return (K.View("*bf16", strides), K.View("*bf16", strides), angles, positions,
-            K.HeadShape(heads, dim, dim), None, 4096, 2048, 2, 1, 0, cfg)
+            K.HeadShape(heads, dim, dim), norm, 4096, 2048, 2, 1, 0, cfg)
 
 
 def signature(fn, args, unspecialized=UNSPECIALIZED):

@@ -249,28 +249,39 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     gradient and norm input into shared memory (cp.async) while this one is worked on, so
     that the loads in flight hold no registers (the registers of the norm's sums leave room
     for two programs of 8 warps per SM, too few to hide the load latency by themselves).
-    Triton pipelines only innermost `for` loops: the tile's angles are then worked out per
-    thread (`_rope_tile`). Otherwise (and in the interpreter: those of Triton 3.5.1 and 3.6
-    fail on a `range` over tensor bounds) a plain `while` loop."""
+    Triton pipelines only innermost `for` loops, so the tile's angles are shared across its
+    threads another way there (`_tile_angles`). Otherwise (and in the interpreter: those of
+    Triton 3.5.1 and 3.6 fail on a `range` over tensor bounds) a plain `while` loop."""
     dw1, dw2, dw_pass = _dw_zeros(heads.shape[0], x, cfg)
-    # Loaded once: inside the loop, the tiles' stores (which might alias the weight, for all
-    # the compiler knows) would have every tile load and convert it again.
+    # Loaded once: inside the loop, the tiles' stores (which might alias the weight or the
+    # frequencies, for all the compiler knows) would have every tile load them again.
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
     offs_p = _pass_channels(shape.rotary_dim, cfg)
     weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
+    freqs = None
+    if cfg.ANGLES_FROM_POSITIONS:
+        freqs = _pair_frequencies(angles, positions, shape.rotary_dim, cfg)
     num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
+    # WORKAROUND(Triton 3.5.1): its loops lose constants nested three deep in the tuples they
+    # use (norm.x's unit stride, a constant where Triton specializes it, comes out None); the
+    # norm is rebuilt inside from norm.x taken out before the loop, two deep like x.
+    norm_x = norm.x
     if cfg.PIPELINE_STAGES > 0:
         for block in tl.range(tok_block, num_blocks, token_programs,
                               num_stages=cfg.PIPELINE_STAGES):
             d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
-                                   tokens, angles, positions, norm, weights, cfg)
+                                   tokens, angles, positions,
+                                   Norm(norm.weight, norm.eps, norm.offset, norm_x, norm.partial),
+                                   weights, freqs, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
     else:
         block = tok_block
         while block < num_blocks:
             d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
-                                   tokens, angles, positions, norm, weights, cfg)
+                                   tokens, angles, positions,
+                                   Norm(norm.weight, norm.eps, norm.offset, norm_x, norm.partial),
+                                   weights, freqs, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
             block += token_programs
     return dw1, dw2, dw_pass
@@ -278,20 +289,20 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
 
 @triton.jit
 def _tile(tok_block, x, out, v, heads, heads_per_group, shape, v_dim, tokens, angles, positions,
-          norm, weights, cfg: tl.constexpr):
+          norm, weights, freqs, cfg: tl.constexpr):
     """`_rope_tile`, or `_kv_tile` where there are values to copy (v an InOut, not None)."""
     if v is None:
         dw = _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
-                        positions, norm, cfg, weights)
+                        positions, norm, cfg, weights, freqs)
     else:
         dw = _kv_tile(tok_block, x, out, v, heads, shape, v_dim, tokens, angles, positions, norm,
-                      cfg, weights)
+                      cfg, weights, freqs)
     return dw
 
 
 @triton.jit
 def _kv_tile(tok_block, k, k_out, v, k_heads, k_shape, v_dim, tokens, k_angles, positions, k_norm,
-             cfg: tl.constexpr, weights=None):
+             cfg: tl.constexpr, weights=None, freqs=None):
     """Key heads (k into k_out, Views), with the value heads of the same kv heads copied
     alongside (v an InOut): a key tile alone would be a small program (a quarter of a query
     tile under 4:1 GQA). The values are loaded first and stored last, so that their loads
@@ -307,7 +318,7 @@ def _kv_tile(tok_block, k, k_out, v, k_heads, k_shape, v_dim, tokens, k_angles, 
     v_src = _tile_base(v.src, seq_idx, batch_idx, v_heads * v.src.strides[2])
     values = tl.load(v_src + (dims * v.src.strides[3])[None, None, :], mask=mask_v)
     dw = _rope_tile(tok_block, k, k_out, k_heads, 1, k_shape, tokens, k_angles, positions,
-                    k_norm, cfg, weights)
+                    k_norm, cfg, weights, freqs)
     v_dst = _tile_base(v.dst, seq_idx, batch_idx, v_heads * v.dst.strides[2])
     tl.store(v_dst + (dims * v.dst.strides[3])[None, None, :], values, mask=mask_v)
     return dw
@@ -329,7 +340,7 @@ def _program_block(head_programs, FLAT_GRID: tl.constexpr):
 
 @triton.jit
 def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles, positions, norm,
-               cfg: tl.constexpr, weights=None):
+               cfg: tl.constexpr, weights=None, freqs=None):
     """Rotate one tile: the program's BLOCK_T tokens times the given heads.
 
     All loads of the tile are issued first, and positions and cos/sin are worked out while
@@ -340,8 +351,9 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
 
     With a norm (`cfg.NORM`), the forward normalizes x before rotating it; the backward
     rotates the gradient x back, then takes it through the norm's transpose, reading the
-    norm's input from norm.x; `weights`, if given, are the norm's weights as `_norm_weight`
-    gives them (else loaded here). Returns the tile's dL/dweight ([H, BLOCK_HALF] for each
+    norm's input from norm.x; `weights` and `freqs`, if given, are the norm's weights as
+    `_norm_weight` gives them and the frequencies as `_pair_frequencies` does (else loaded
+    here). Returns the tile's dL/dweight ([H, BLOCK_HALF] for each
     member of the pairs, [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of
     a norm.
     """
@@ -409,11 +421,10 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         # of positions or a table, it slows the tile (docs/design.md).
         tl.debug_barrier()
     # Positions and cos/sin depend on the token (and pair) only: worked out once for the
-    # tile's tokens and shared by its heads, except in a pipelined loop
-    # (`_norm_backward_tiles`), where each thread works out its own.
+    # tile's tokens and shared by its heads.
     in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
         angles, positions, tok, tok_block * BLOCK_T, seq_idx, batch_idx, tokens, rotary_dim,
-        compute_dtype, BLOCK_H > 1 and cfg.PIPELINE_STAGES == 0, cfg)
+        freqs, compute_dtype, BLOCK_H > 1, cfg)
     cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
     # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b (the table in the module docstring).
     if cfg.BACKWARD:
@@ -509,7 +520,7 @@ def _store_pairs(base, dim_stride, offs, half, mask, x1, x2, dtype: tl.constexpr
 def _pass_channels(rotary_dim, cfg: tl.constexpr):
     """The channels past rotary_dim a tile covers: BLOCK_PASS of them, or where there are none,
     one (always masked off) for the sums of a norm."""
-    BLOCK: tl.constexpr = max(cfg.BLOCK_PASS, 1)
+    BLOCK: tl.constexpr = cfg.BLOCK_PASS if cfg.BLOCK_PASS > 0 else 1
     return rotary_dim + tl.arange(0, BLOCK)
 
 
@@ -598,7 +609,7 @@ def _dw_zeros(BLOCK: tl.constexpr, x, cfg: tl.constexpr):
     """Zero accumulators of dL/dweight for BLOCK heads, as `_rope_tile` returns it."""
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    BLOCK_PASS: tl.constexpr = max(cfg.BLOCK_PASS, 1)
+    BLOCK_PASS: tl.constexpr = cfg.BLOCK_PASS if cfg.BLOCK_PASS > 0 else 1
     return (tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
             tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
             tl.zeros([BLOCK, BLOCK_PASS], compute_dtype))
@@ -808,9 +819,10 @@ def _token_sequences(cu_seqlens, next_start, num_seqs, SEARCH_LEVELS: tl.constex
 
 @triton.jit
 def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, rotary_dim,
-                 compute_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
+                 freqs, compute_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
     """(in_seq, cos1, cos2, sin1, sin2) of the tile's tokens: whether each lies inside a
-    sequence (`_positions`), and [T, K] cos and sin of the angles of both members of each pair.
+    sequence (`_positions`), and [T, K] cos and sin of the angles of both members of each pair
+    (`freqs`: `_pair_frequencies`' result, or None to load them here).
 
     SHARED (a tile of several heads): these are worked out once per token (and pair) across
     the program's threads, then handed to the threads that hold each head. Left alone,
@@ -821,11 +833,14 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
     of the loads and stores it has to hide behind. Triton never rematerializes the results of
     a `while` loop: worked out inside one-trip loops, positions and angles keep layouts of
     their own (one token per thread for the search, one (token, pair) for sin/cos) and reach
-    the tile's through shared memory."""
+    the tile's through shared memory. A loop inside keeps Triton from software-pipelining the
+    loop around (it pipelines innermost loops only), so tiles of a pipelined loop
+    (cfg.PIPELINE_STAGES) keep the angles out of the tile's layout with `_own_layout`
+    instead; their positions are one per token, cheap to repeat."""
     # Shapes are lists of constexprs: a Variant's fields are plain ints until bound so.
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    if SHARED:
+    if SHARED and cfg.PIPELINE_STAGES == 0:
         in_seq = tok >= 0
         pos = tok.to(tl.int64)
         trips = 0
@@ -837,7 +852,7 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
         if cfg.ANGLES_FROM_POSITIONS:
             trips = 0
             while trips < 1:
-                cos1, sin1 = _rotation_from_positions(angles, positions, pos, rotary_dim,
+                cos1, sin1 = _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
                                                       compute_dtype, cfg)
                 trips += 1
             cos2, sin2 = cos1, sin1
@@ -852,13 +867,28 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
     else:
         in_seq, pos = _positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, cfg)
         if cfg.ANGLES_FROM_POSITIONS:
-            cos1, sin1 = _rotation_from_positions(angles, positions, pos, rotary_dim,
+            cos1, sin1 = _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
                                                   compute_dtype, cfg)
+            if SHARED:
+                cos1, sin1 = _own_layout(cos1), _own_layout(sin1)
             cos2, sin2 = cos1, sin1
         else:
             cos1, cos2, sin1, sin2 = _rotation_from_table(angles, pos, rotary_dim, compute_dtype,
                                                           cfg)
+            if SHARED:
+                cos1, cos2 = _own_layout(cos1), _own_layout(cos2)
+                sin1, sin2 = _own_layout(sin1), _own_layout(sin2)
     return in_seq, cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _own_layout(x):
+    """x ([T, K]) unchanged, in a layout of its own: Triton does not rematerialize a value's
+    producers into a consumer's layout through a reduction whose layout cannot be inferred
+    from the consumer's, here one over an axis of size 1 (the sum of one element is that
+    element, bit for bit). Checked for Triton 3.5.1 to 3.9 by
+    test_pipelined_tiles_compute_sin_cos_once_per_program."""
+    return tl.sum(x[:, :, None], axis=2)
 
 
 @triton.jit
@@ -897,26 +927,22 @@ def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr, c
 
 
 @triton.jit
-def _rotation_from_positions(angles, positions, pos, rotary_dim, compute_dtype: tl.constexpr,
-                             cfg: tl.constexpr):
+def _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
+                             compute_dtype: tl.constexpr, cfg: tl.constexpr):
     """(cos, sin) [T, K] of the angles pos * inv_freq[k] (both members of pair k share
-    them), times angles.scale.
+    them), times angles.scale; `freqs` as `_pair_frequencies` gives them, or None to load
+    them here.
 
     The product of the integer position and the float32 inverse frequency is kept exact as
     hi - err (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
     exactly; NaN beyond) and reduced modulo pi without rounding it first
     (`_exact_angle_sincos`)."""
-    offs_k = tl.arange(0, cfg.BLOCK_HALF)
-    mask_k = offs_k < rotary_dim // 2
-    inv_freq = tl.load(angles.freqs + offs_k, mask=mask_k, other=0.0)
+    if freqs is None:
+        freqs = _pair_frequencies(angles, positions, rotary_dim, cfg)
+    inv_freq, axis_offset = freqs
     if cfg.POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
-        # pair_axis is the caller's data: an axis outside [0, n_axes) gives NaN (through its
-        # frequency), never a read outside positions.
-        axis = tl.load(angles.pair_axis + offs_k, mask=mask_k, other=0).to(tl.int64)
-        axis_ok = (axis >= 0) & (axis < angles.n_axes)
-        inv_freq = tl.where(axis_ok, inv_freq, _nan())
-        axis_offset = tl.where(axis_ok, axis, 0)[None, :] * positions.strides[0]
-        p = tl.load(positions.positions + pos[:, None] + axis_offset,
+        mask_k = tl.arange(0, cfg.BLOCK_HALF) < rotary_dim // 2
+        p = tl.load(positions.positions + pos[:, None] + axis_offset[None, :],
                     mask=mask_k[None, :], other=0).to(tl.int64)               # [T, K]
     else:
         p = pos[:, None]                                                       # [T, 1]
@@ -932,6 +958,24 @@ def _rotation_from_positions(angles, positions, pos, rotary_dim, compute_dtype: 
         err = _fma(-pf, inv_freq[None, :], hi)
         sin, cos = _exact_angle_sincos(hi, err)
     return cos * angles.scale, sin * angles.scale
+
+
+@triton.jit
+def _pair_frequencies(angles, positions, rotary_dim, cfg: tl.constexpr):
+    """(inv_freq, axis_offset) [K]: each pair's inverse frequency and, for M-RoPE, the offset
+    of its axis in positions (0 otherwise)."""
+    offs_k = tl.arange(0, cfg.BLOCK_HALF)
+    mask_k = offs_k < rotary_dim // 2
+    inv_freq = tl.load(angles.freqs + offs_k, mask=mask_k, other=0.0)
+    axis_offset = 0
+    if cfg.POSITIONS_FROM == AXIS_POSITIONS_TENSOR:
+        # pair_axis is the caller's data: an axis outside [0, n_axes) gives NaN (through its
+        # frequency), never a read outside positions.
+        axis = tl.load(angles.pair_axis + offs_k, mask=mask_k, other=0).to(tl.int64)
+        axis_ok = (axis >= 0) & (axis < angles.n_axes)
+        inv_freq = tl.where(axis_ok, inv_freq, _nan())
+        axis_offset = tl.where(axis_ok, axis, 0) * positions.strides[0]
+    return inv_freq, axis_offset
 
 
 

@@ -78,15 +78,19 @@ NORM_PROGRAMS_PER_SM = 2
 # That backward's token loop is software-pipelined this many stages deep where its angles come
 # from positions: the next tiles' loads go to shared memory while a tile is worked on. Kernels
 # alone, q and k at 16K tokens, bf16, exact angles (rope_qknorm_rules.py, artifacts/qknorm/
-# rules_*), in copies of q and k, H100 / H200: Qwen3-8B 1.73 / 2.05 against 1.84 / 2.21
-# unpipelined, Gemma 3 1.73 / 2.04 against 1.86 / 2.19, OLMo 2 1.68 / 2.14 against 2.07 / 2.61;
-# 2 and 4 stages were slower than 3 at every point. A pipelined tile works out its angles per
-# thread, not once per token (`_norm_backward_tiles`): from a table (a sin/cos polynomial per
-# channel) that made the backward 1.5x slower (H100), so the table path keeps the plain loop.
+# rules_*), in copies of q and k, H100 / H200: Qwen3-8B 1.73 / 1.81 against 1.84 / 2.21
+# unpipelined, Gemma 3 1.80 / 1.81 against 1.86 / 2.23, OLMo 2 1.77 / 1.83 against 2.07 / 2.62;
+# 2 stages were slower everywhere, 4 everywhere but OLMo 2 on the H200 (1% faster). The
+# pipelined tiles share their angles through `_own_layout` (`_tile_angles`). Each thread
+# working out its own instead (more instructions, no barrier) measured 2.06, 2.08 and 2.15 on
+# the H200, which is bound by instruction issue there, and 1.73, 1.73 and 1.69 on the H100,
+# up to 5% faster there (docs/results.md); through autograd, sharing moved the H100's forward +
+# backward by -4% to +2% and cut the H200's by 6-9%. Angles from a table keep the
+# plain loop: pipelined, with shared angles, 6-9% slower at five of the six points.
 NORM_PIPELINE_STAGES = 3
-# The fused-QKV backward, whose key programs also copy the values, ran slower pipelined (3
-# stages, exact angles): Qwen3-8B 2.56 / 3.47 against 2.33 / 2.91, Gemma 3 2.43 / 2.99 against
-# 2.25 / 2.61 (H100 / H200). It keeps the plain loop.
+# The fused-QKV backward, whose key programs also copy the values, gains nothing pipelined (3
+# stages, exact angles): Qwen3-8B 2.33 / 2.89 against 2.33 / 2.91, Gemma 3 2.32 / 2.75 against
+# 2.25 / 2.62 (H100 / H200). It keeps the plain loop.
 QKV_NORM_PIPELINE_STAGES = 0
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
