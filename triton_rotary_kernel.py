@@ -520,6 +520,7 @@ def _store_pairs(base, dim_stride, offs, half, mask, x1, x2, dtype: tl.constexpr
 def _pass_channels(rotary_dim, cfg: tl.constexpr):
     """The channels past rotary_dim a tile covers: BLOCK_PASS of them, or where there are none,
     one (always masked off) for the sums of a norm."""
+    # Not max(): Triton 3.5.1 makes the max of two constants a tensor, which no shape takes.
     BLOCK: tl.constexpr = cfg.BLOCK_PASS if cfg.BLOCK_PASS > 0 else 1
     return rotary_dim + tl.arange(0, BLOCK)
 
@@ -609,7 +610,7 @@ def _dw_zeros(BLOCK: tl.constexpr, x, cfg: tl.constexpr):
     """Zero accumulators of dL/dweight for BLOCK heads, as `_rope_tile` returns it."""
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    BLOCK_PASS: tl.constexpr = cfg.BLOCK_PASS if cfg.BLOCK_PASS > 0 else 1
+    BLOCK_PASS: tl.constexpr = cfg.BLOCK_PASS if cfg.BLOCK_PASS > 0 else 1   # (`_pass_channels`)
     return (tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
             tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
             tl.zeros([BLOCK, BLOCK_PASS], compute_dtype))
@@ -886,8 +887,8 @@ def _own_layout(x):
     """x ([T, K]) unchanged, in a layout of its own: Triton does not rematerialize a value's
     producers into a consumer's layout through a reduction whose layout cannot be inferred
     from the consumer's, here one over an axis of size 1 (the sum of one element is that
-    element, bit for bit). Checked for Triton 3.5.1 to 3.9 by
-    test_pipelined_tiles_compute_sin_cos_once_per_program."""
+    element, bit for bit). test_pipelined_tiles_compute_sin_cos_once_per_program checks that it
+    engaged (it did on Triton 3.5.1, 3.6, 3.7.1 and 3.9)."""
     return tl.sum(x[:, :, None], axis=2)
 
 
