@@ -252,36 +252,38 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     Triton pipelines only innermost `for` loops, so the tile's angles are shared across its
     threads another way there (`_tile_angles`). Otherwise (and in the interpreter: those of
     Triton 3.5.1 and 3.6 fail on a `range` over tensor bounds) a plain `while` loop."""
-    dw1, dw2, dw_pass = _dw_zeros(heads.shape[0], x, cfg)
-    # Loaded once: inside the loop, the tiles' stores (which might alias the weight or the
-    # frequencies, for all the compiler knows) would have every tile load them again.
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
     offs_p = _pass_channels(shape.rotary_dim, cfg)
+    # The sums of dL/dweight, as `_rope_tile` returns them.
+    BLOCK_H: tl.constexpr = heads.shape[0]
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    BLOCK_PASS: tl.constexpr = offs_p.shape[0]
+    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw_pass = tl.zeros([BLOCK_H, BLOCK_PASS], compute_dtype)
+    # Loaded once: inside the loop, the tiles' stores (which might alias the weight or the
+    # frequencies, for all the compiler knows) would have every tile load them again.
     weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
     freqs = None
     if cfg.ANGLES_FROM_POSITIONS:
         freqs = _pair_frequencies(angles, positions, shape.rotary_dim, cfg)
     num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
     # WORKAROUND(Triton 3.5.1): its loops lose constants nested three deep in the tuples they
-    # use (norm.x's unit stride, a constant where Triton specializes it, comes out None); the
-    # norm is rebuilt inside from norm.x taken out before the loop, two deep like x.
+    # use (norm.x's unit stride, a constant where Triton specializes it, comes out None); norm.x
+    # is taken out before the loop, two deep like x, and `_tile` puts it back.
     norm_x = norm.x
     if cfg.PIPELINE_STAGES > 0:
         for block in tl.range(tok_block, num_blocks, token_programs,
                               num_stages=cfg.PIPELINE_STAGES):
             d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
-                                   tokens, angles, positions,
-                                   Norm(norm.weight, norm.eps, norm.offset, norm_x, norm.partial),
-                                   weights, freqs, cfg)
+                                   tokens, angles, positions, norm, norm_x, weights, freqs, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
     else:
         block = tok_block
         while block < num_blocks:
             d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
-                                   tokens, angles, positions,
-                                   Norm(norm.weight, norm.eps, norm.offset, norm_x, norm.partial),
-                                   weights, freqs, cfg)
+                                   tokens, angles, positions, norm, norm_x, weights, freqs, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
             block += token_programs
     return dw1, dw2, dw_pass
@@ -289,8 +291,10 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
 
 @triton.jit
 def _tile(tok_block, x, out, v, heads, heads_per_group, shape, v_dim, tokens, angles, positions,
-          norm, weights, freqs, cfg: tl.constexpr):
-    """`_rope_tile`, or `_kv_tile` where there are values to copy (v an InOut, not None)."""
+          norm, norm_x, weights, freqs, cfg: tl.constexpr):
+    """`_rope_tile`, or `_kv_tile` where there are values to copy (v an InOut, not None), with
+    `norm_x` (a View) as the norm's input (`_norm_backward_tiles` says why)."""
+    norm = Norm(norm.weight, norm.eps, norm.offset, norm_x, norm.partial)
     if v is None:
         dw = _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
                         positions, norm, cfg, weights, freqs)
@@ -353,9 +357,8 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     rotates the gradient x back, then takes it through the norm's transpose, reading the
     norm's input from norm.x; `weights` and `freqs`, if given, are the norm's weights as
     `_norm_weight` gives them and the frequencies as `_pair_frequencies` does (else loaded
-    here). Returns the tile's dL/dweight ([H, BLOCK_HALF] for each
-    member of the pairs, [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of
-    a norm.
+    here). Returns the tile's dL/dweight ([H, BLOCK_HALF] for each member of the pairs,
+    [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of a norm.
     """
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
     mask_th = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]      # [T, H, 1]
@@ -521,6 +524,7 @@ def _pass_channels(rotary_dim, cfg: tl.constexpr):
     """The channels past rotary_dim a tile covers: BLOCK_PASS of them, or where there are none,
     one (always masked off) for the sums of a norm."""
     # Not max(): Triton 3.5.1 makes the max of two constants a tensor, which no shape takes.
+    # (`_norm_backward_tiles` sizes its sums of dL/dweight by this.)
     BLOCK: tl.constexpr = cfg.BLOCK_PASS if cfg.BLOCK_PASS > 0 else 1
     return rotary_dim + tl.arange(0, BLOCK)
 
@@ -603,17 +607,6 @@ def _token_programs(head_programs, cfg: tl.constexpr):
     if cfg.FLAT_GRID:
         return tl.num_programs(0) // head_programs
     return tl.num_programs(0)
-
-
-@triton.jit
-def _dw_zeros(BLOCK: tl.constexpr, x, cfg: tl.constexpr):
-    """Zero accumulators of dL/dweight for BLOCK heads, as `_rope_tile` returns it."""
-    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
-    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    BLOCK_PASS: tl.constexpr = cfg.BLOCK_PASS if cfg.BLOCK_PASS > 0 else 1   # (`_pass_channels`)
-    return (tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
-            tl.zeros([BLOCK, BLOCK_HALF], compute_dtype),
-            tl.zeros([BLOCK, BLOCK_PASS], compute_dtype))
 
 
 @triton.jit

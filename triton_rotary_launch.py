@@ -577,7 +577,7 @@ def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -
     """The Variant's PIPELINE_STAGES: `stages` (the rule's for the kernel) for the backward of a
     norm with angles from positions, else 0: not for angles from a table (NORM_PIPELINE_STAGES
     says why), nor where thd tiles search cu_seqlens (the search's loops leave Triton nothing to
-    pipeline, and its tiles would still lose their shared angles)."""
+    pipeline)."""
     if norm_backward and source.from_positions and not searches:
         return stages
     return 0
