@@ -2736,17 +2736,22 @@ def test_launches_after_the_first_use_the_compiled_kernels_launcher():
     assert len(seen) == 1
 
 
-def _compile_tiles(*tiles):
-    """rope_sass_probe.py's result for each tile (dicts of constexprs), from a process without
-    TRITON_INTERPRET (the probe compiles the kernel for sm_90; no GPU needed)."""
+def _run_probe(*args):
+    """rope_sass_probe.py's JSON lines for `args`, from a process without TRITON_INTERPRET (the
+    probe compiles the kernels for sm_90; no GPU needed)."""
     import subprocess
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, os.path.join(here, "rope_sass_probe.py"), *map(json.dumps, tiles)],
-                         capture_output=True, text=True, cwd=here, env=env, timeout=600)
+    run = subprocess.run([sys.executable, os.path.join(here, "rope_sass_probe.py"), *args],
+                         capture_output=True, text=True, cwd=here, env=env, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def _compile_tiles(*tiles):
+    """rope_sass_probe.py's result for each tile (dicts of constexprs)."""
+    return _run_probe(*map(json.dumps, tiles))
 
 
 def test_sin_cos_are_computed_once_per_program():
@@ -2770,6 +2775,86 @@ def test_pipelined_tiles_compute_sin_cos_once_per_program():
                      SEQ_MAJOR=False, FLAT_GRID=True)
     for tile in _compile_tiles(pipelined, dict(pipelined, POSITIONS_FROM=2)):
         assert tile["sin"] == 1, tile
+
+
+def _planned_calls():
+    """Calls (functions of no argument, forward and backward) that reach every kind of launch
+    the launcher plans: each angle source and format, interleaved and partial rotary, CP,
+    start_positions, in place, inverse, each dtype, fused QKV, and the norms over head and
+    token with each of them where it changes the kernel."""
+    def rope(t, *args, **kwargs):
+        t = t.detach().requires_grad_(t.dtype.is_floating_point)
+        apply_rotary_pos_emb(t, *args, **kwargs).sum().backward()
+
+    def qkv(packed, *args, **kwargs):
+        packed = packed.detach().requires_grad_(True)
+        sum(o.sum() for o in apply_fused_qkv_rotary_pos_emb(packed, *args, **kwargs)).backward()
+
+    s, b, h, d = 64, 2, 32, 128
+    bf16, gen = torch.bfloat16, torch.Generator().manual_seed(0)
+    t = torch.randn(s, b, h, d, generator=gen).to(DEVICE, bf16)
+    t_thd = torch.randn(s * b, h, d, generator=gen).to(DEVICE, bf16)
+    cu_seqlens = int_tensor([0, 50, s * b])
+    table, exact = RotaryPositionEmbedding(d, device=DEVICE)(2 * s), RotaryPositionEmbedding(d, device=DEVICE)
+    half = RotaryPositionEmbedding(d, rotary_percent=0.5, device=DEVICE)
+    mrope = RotaryPositionEmbedding(d, device=DEVICE, mrope_section=[16, 24, 24])
+    axis_positions = torch.arange(3 * s, device=DEVICE).view(3, s) % s
+    head = dict(norm_weight=torch.ones(d, device=DEVICE, dtype=bf16))
+    token = dict(norm_weight=torch.ones(h * d, device=DEVICE, dtype=bf16), norm_over="token")
+    split = [4 * d, d, d]
+    packed = torch.randn(s, b, 8, sum(split), generator=gen).to(DEVICE, bf16)
+    qk_norm = dict(q_norm_weight=head["norm_weight"], k_norm_weight=head["norm_weight"])
+    calls = []
+    interleaved = {id(table): table, id(exact): RotaryPositionEmbedding(d, interleaved=True, device=DEVICE)}
+    for freqs in (table, exact):
+        calls += [lambda f=freqs: rope(t, f), lambda f=freqs: rope(t.transpose(0, 1), f, "bshd"),
+                  lambda f=interleaved[id(freqs)]: rope(t, f, interleaved=True),
+                  lambda f=freqs: rope(t, f, start_positions=int_tensor([3, 5])),
+                  lambda f=freqs: rope(t, f, cp_size=2, cp_rank=1),
+                  lambda f=freqs: rope(t_thd, f, "thd", cu_seqlens=cu_seqlens),
+                  lambda f=freqs: rope(t, f, inverse=True),
+                  lambda f=freqs: apply_rotary_pos_emb_inplace(t.clone(), f),
+                  lambda f=freqs: qkv(packed, f, f, split),
+                  lambda f=freqs: rope(t, f, **head), lambda f=freqs: rope(t, f, **token),
+                  lambda f=freqs: rope(t_thd, f, "thd", cu_seqlens=cu_seqlens, **head),
+                  lambda f=freqs: qkv(packed, f, f, split, **qk_norm)]
+    calls += [lambda: rope(t, half), lambda: rope(t, half, **head),
+              lambda: rope(t, exact, positions=torch.arange(s, device=DEVICE)),
+              lambda: rope(t, mrope, positions=axis_positions),
+              lambda: rope(t, mrope, positions=axis_positions, **head),
+              lambda: rope(t_thd, exact, "thd", positions=torch.arange(s * b, device=DEVICE) % 50)]
+    calls += [lambda dtype=dtype: rope(t.to(dtype), table) for dtype in (torch.float16, torch.float32, torch.float64)]
+    calls += [lambda: rope(t.double(), exact, **head), lambda: rope(t[:2, :1, :3], exact, **head)]
+    return calls
+
+
+def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
+    """Every kind of launch the GPU launch rule plans (`_planned_calls`) compiles for sm_90
+    with the Triton installed, as its JIT specializes the arguments. CI runs this with each
+    Triton users meet; the interpreter runs none of the compiler, so this is where a Triton
+    that cannot compile a variant shows up without a GPU."""
+    import rope_sass_probe
+    records = {}
+
+    def record(launch, *args):
+        named = [triton_rotary_launch._as_group(a, g) for a, g in zip(args, launch.groups)]
+        entry = rope_sass_probe.launch_record(launch.kernel.fn, (*named, *args[len(launch.groups):]),
+                                              launch.cfg, launch.num_warps)
+        records[json.dumps(entry, sort_keys=True)] = entry
+    monkeypatch.setattr(triton_rotary_launch._Launch, "__call__", record)
+    with triton_rotary_launch.use_launch_rule(triton_rotary_launch.GPU_RULE):
+        for call in _planned_calls():
+            call()
+    kinds = {(r["kernel"], r["cfg"]["NORM"], r["cfg"]["BACKWARD"], r["cfg"]["PIPELINE_STAGES"] > 0)
+             for r in records.values()}
+    # Both kernels, with and without a norm, forward and backward, pipelined or not.
+    assert len(kinds) == 12, sorted(kinds)
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(list(records.values())))
+    results = _run_probe("--launches", str(path))
+    assert len(results) == len(records)
+    failed = [(r["kernel"], r["cfg"], res["error"]) for r, res in zip(records.values(), results) if not res["ok"]]
+    assert not failed, f"{len(failed)} of {len(records)} launches fail to compile: {failed[:3]}"
 
 
 def test_thd_tile_loads_are_issued_before_the_sequence_search():

@@ -3,6 +3,9 @@ code: `python rope_sass_probe.py TILE [TILE ...]`, each TILE a JSON object of Va
 DEFAULT_TILE. No GPU is needed (Triton's own ptxas and nvdisasm). Run it in a process without
 TRITON_INTERPRET, so that the kernel is a JIT function.
 
+`python rope_sass_probe.py --launches FILE` compiles launches the launcher planned instead (FILE:
+a JSON list of `launch_record`s) and prints, per launch, `{"ok": true}` or the compiler's error.
+
 Per tile it prints one JSON line: the number of sin.approx in the PTX (PTX is one thread's code,
 so that is the sin/cos each thread computes) and the global loads in the order of the SASS.
 The arguments are those of a contiguous bf16 call (`example_arguments`), specialized as Triton
@@ -107,6 +110,51 @@ def compile_tile(tile):
             "loads": re.findall(r"\bLDG\.[\w.]+", sass)}
 
 
+_POINTER_TYPES = {"float64": "*fp64", "float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16",
+                  "int64": "*i64", "int32": "*i32"}
+
+
+def launch_record(kernel, args, cfg, num_warps):
+    """A planned launch as JSON: the kernel's name, its arguments (NamedTuples as
+    {"group": name, "fields": [...]}, a tensor as its pointer type), the Variant's fields and
+    the warps."""
+    def encode(value):
+        if hasattr(value, "_fields"):
+            return {"group": type(value).__name__, "fields": [encode(v) for v in value]}
+        if isinstance(value, tuple):
+            return [encode(v) for v in value]
+        if hasattr(value, "data_ptr"):
+            return _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+        return value
+    return {"kernel": kernel.__name__, "args": [encode(a) for a in args], "cfg": cfg._asdict(),
+            "num_warps": num_warps}
+
+
+def compile_launch(record):
+    """Compiles a `launch_record` for sm_90, specialized as Triton's JIT would specialize it."""
+    def decode(value):
+        if isinstance(value, dict):
+            return getattr(K, value["group"])(*map(decode, value["fields"]))
+        if isinstance(value, list):
+            return tuple(map(decode, value))
+        return value
+    fn = getattr(K, record["kernel"])
+    args = (*map(decode, record["args"]), K.Variant(**record["cfg"]))
+    sig, constexprs, attrs = signature(fn, args)
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": record["num_warps"]})
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        print(json.dumps(compile_tile(json.loads(arg))), flush=True)
+    if sys.argv[1:2] == ["--launches"]:
+        with open(sys.argv[2]) as f:
+            for record in json.load(f):
+                try:
+                    compile_launch(record)
+                    print(json.dumps({"ok": True}), flush=True)
+                except Exception as err:   # the report names the launch that failed
+                    print(json.dumps({"ok": False, "error": f"{type(err).__name__}: {err}"[-2000:]}),
+                          flush=True)
+    else:
+        for arg in sys.argv[1:]:
+            print(json.dumps(compile_tile(json.loads(arg))), flush=True)

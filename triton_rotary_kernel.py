@@ -185,6 +185,8 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
     the positions `positions` (Positions) gives, `shape` a HeadShape, `norm` a Norm (or None),
     `cfg` a Variant. A program rotates a tile of BLOCK_T tokens x BLOCK_H heads; the backward
     of a norm, every token_programs-th tile from its own on (`_norm_backward_tiles`)."""
+    if cfg.NORM != NO_NORM and cfg.BACKWARD:
+        norm = _typed_norm(norm)
     head_programs = tl.cdiv(shape.nheads, cfg.BLOCK_H)
     tok_block, head_block = _program_block(head_programs, cfg.FLAT_GRID)
     heads = head_block * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
@@ -206,6 +208,9 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
     k_norm the per-head norms of q and k (Norm, or None). The head programs of a token block
     first cover the query heads (kv_heads * q_per_kv, rotated with q_angles), then the key
     heads (k_angles), each with its value heads copied through."""
+    q, k, v = _typed_in_out(q), _typed_in_out(k), _typed_in_out(v)
+    if cfg.NORM != NO_NORM and cfg.BACKWARD:
+        q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
     k_programs = tl.cdiv(shape.kv_heads, cfg.BLOCK_KV)
     tok_block, pid_h = _program_block(shape.q_programs + k_programs, cfg.FLAT_GRID)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
@@ -236,6 +241,27 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         else:
             _kv_tile(tok_block, k.src, k.dst, v, k_heads, k_shape, shape.v_dim, tokens, k_angles,
                      positions, k_norm, cfg)
+
+
+# WORKAROUND(Triton 3.5.1, the NVIDIA container 25.12's; 3.6 and later need none): a kernel's
+# tuple arguments keep the types they had before Triton put in the constants it specializes,
+# and a tuple is copied from its type at every runtime `if` and loop. A constant two tuples
+# down (k.src.strides[3], a stride of 1) then comes out None. A tuple built in the kernel takes
+# its type from its values, so the kernels rebuild the tuples that hold Views (a forward's
+# Norm holds none). Under 3.5.1, test_every_planned_launch_compiles_for_sm90 fails without it.
+@triton.jit
+def _typed_in_out(io):
+    return InOut(_typed_view(io.src), _typed_view(io.dst))
+
+
+@triton.jit
+def _typed_norm(norm):
+    return Norm(norm.weight, norm.eps, norm.offset, _typed_view(norm.x), norm.partial)
+
+
+@triton.jit
+def _typed_view(view):
+    return View(view.ptr, view.strides)
 
 
 @triton.jit
@@ -269,21 +295,17 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     if cfg.ANGLES_FROM_POSITIONS:
         freqs = _pair_frequencies(angles, positions, shape.rotary_dim, cfg)
     num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
-    # WORKAROUND(Triton 3.5.1): its loops lose constants nested three deep in the tuples they
-    # use (norm.x's unit stride, a constant where Triton specializes it, comes out None); norm.x
-    # is taken out before the loop, two deep like x, and `_tile` puts it back.
-    norm_x = norm.x
     if cfg.PIPELINE_STAGES > 0:
         for block in tl.range(tok_block, num_blocks, token_programs,
                               num_stages=cfg.PIPELINE_STAGES):
             d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
-                                   tokens, angles, positions, norm, norm_x, weights, freqs, cfg)
+                                   tokens, angles, positions, norm, weights, freqs, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
     else:
         block = tok_block
         while block < num_blocks:
             d1, d2, d_pass = _tile(block, x, out, v, heads, heads_per_group, shape, v_dim,
-                                   tokens, angles, positions, norm, norm_x, weights, freqs, cfg)
+                                   tokens, angles, positions, norm, weights, freqs, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
             block += token_programs
     return dw1, dw2, dw_pass
@@ -291,10 +313,8 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
 
 @triton.jit
 def _tile(tok_block, x, out, v, heads, heads_per_group, shape, v_dim, tokens, angles, positions,
-          norm, norm_x, weights, freqs, cfg: tl.constexpr):
-    """`_rope_tile`, or `_kv_tile` where there are values to copy (v an InOut, not None), with
-    `norm_x` (a View) as the norm's input (`_norm_backward_tiles` says why)."""
-    norm = Norm(norm.weight, norm.eps, norm.offset, norm_x, norm.partial)
+          norm, weights, freqs, cfg: tl.constexpr):
+    """`_rope_tile`, or `_kv_tile` where there are values to copy (v an InOut, not None)."""
     if v is None:
         dw = _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
                         positions, norm, cfg, weights, freqs)
