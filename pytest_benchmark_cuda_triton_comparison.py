@@ -2782,9 +2782,10 @@ def _planned_calls():
     the launcher plans: each angle source and format, interleaved and partial rotary, CP,
     start_positions, in place, inverse, each dtype, fused QKV, and the norms over head and
     token with each of them where it changes the kernel."""
-    def rope(t, *args, **kwargs):
-        t = t.detach().requires_grad_(t.dtype.is_floating_point)
-        apply_rotary_pos_emb(t, *args, **kwargs).sum().backward()
+    def rope(t, *args, grad=None, **kwargs):
+        t = t.detach().requires_grad_(True)
+        out = apply_rotary_pos_emb(t, *args, **kwargs)
+        out.backward(torch.ones_like(out) if grad is None else grad)
 
     def qkv(packed, *args, **kwargs):
         packed = packed.detach().requires_grad_(True)
@@ -2825,6 +2826,11 @@ def _planned_calls():
               lambda: rope(t_thd, exact, "thd", positions=torch.arange(s * b, device=DEVICE) % 50)]
     calls += [lambda dtype=dtype: rope(t.to(dtype), table) for dtype in (torch.float16, torch.float32, torch.float64)]
     calls += [lambda: rope(t.double(), exact, **head), lambda: rope(t[:2, :1, :3], exact, **head)]
+    # One token of one head: strides of 1 wherever the fuzzer may put them (constants in the
+    # kernel, which Triton 3.5.1 lost when two shared a View).
+    one = torch.randn(4, generator=gen).to(DEVICE).as_strided((1, 1, 2), (1, 1, 1))
+    calls += [lambda: rope(one, RotaryPositionEmbedding(2, device=DEVICE), "thd", positions=int_tensor([0]),
+                           grad=one, norm_weight=torch.ones(2, device=DEVICE))]
     return calls
 
 

@@ -185,6 +185,7 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
     the positions `positions` (Positions) gives, `shape` a HeadShape, `norm` a Norm (or None),
     `cfg` a Variant. A program rotates a tile of BLOCK_T tokens x BLOCK_H heads; the backward
     of a norm, every token_programs-th tile from its own on (`_norm_backward_tiles`)."""
+    x, out = _typed_view(x), _typed_view(out)
     if cfg.NORM != NO_NORM and cfg.BACKWARD:
         norm = _typed_norm(norm)
     head_programs = tl.cdiv(shape.nheads, cfg.BLOCK_H)
@@ -244,11 +245,12 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
 
 
 # WORKAROUND(Triton 3.5.1, the NVIDIA container 25.12's; 3.6 and later need none): a kernel's
-# tuple arguments keep the types they had before Triton put in the constants it specializes,
-# and a tuple is copied from its type at every runtime `if` and loop. A constant two tuples
-# down (k.src.strides[3], a stride of 1) then comes out None. A tuple built in the kernel takes
-# its type from its values, so the kernels rebuild the tuples that hold Views (a forward's
-# Norm holds none). Under 3.5.1, test_every_planned_launch_compiles_for_sm90 fails without it.
+# tuple arguments keep types from before Triton put in the constants it specializes (strides
+# of 1), and a tuple is copied from its type at every runtime `if` and loop; the strides of a
+# View inside another tuple (k.src.strides[3]), or two strides of 1 in one View, then come out
+# None. A tuple built in the kernel takes its type from its values, so the kernels rebuild
+# every View they are given (a forward's Norm holds none). Under 3.5.1,
+# test_every_planned_launch_compiles_for_sm90 fails without it.
 @triton.jit
 def _typed_in_out(io):
     return InOut(_typed_view(io.src), _typed_view(io.dst))
