@@ -116,8 +116,8 @@ _POINTER_TYPES = {"float64": "*fp64", "float32": "*fp32", "bfloat16": "*bf16", "
 
 def launch_record(kernel, args, cfg, num_warps):
     """A planned launch as JSON: the kernel's name, its arguments (NamedTuples as
-    {"group": name, "fields": [...]}, a tensor as its pointer type), the Variant's fields and
-    the warps."""
+    {"group": name, "fields": [...]}, a tensor as its pointer type), its compile-time choices
+    (`cfg`, a Variant or a WeightGradientTile, as a group) and the warps."""
     def encode(value):
         if hasattr(value, "_fields"):
             return {"group": type(value).__name__, "fields": [encode(v) for v in value]}
@@ -126,7 +126,7 @@ def launch_record(kernel, args, cfg, num_warps):
         if hasattr(value, "data_ptr"):
             return _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
         return value
-    return {"kernel": kernel.__name__, "args": [encode(a) for a in args], "cfg": cfg._asdict(),
+    return {"kernel": kernel.__name__, "args": [encode(a) for a in args], "cfg": encode(cfg),
             "num_warps": num_warps}
 
 
@@ -139,7 +139,7 @@ def compile_launch(record):
             return tuple(map(decode, value))
         return value
     fn = getattr(K, record["kernel"])
-    args = (*map(decode, record["args"]), K.Variant(**record["cfg"]))
+    args = (*map(decode, record["args"]), decode(record["cfg"]))
     sig, constexprs, attrs = signature(fn, args)
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": record["num_warps"]})

@@ -48,11 +48,11 @@ applies the norm's own transpose,
     dx = rstd * (gn * w - xhat * sum(gn * w * xhat) / n),   dw = sum over tokens of gn * xhat
 
 (for a per-head norm, the tokens' heads too). dw is reduced deterministically: each program
-loops over its share of the token blocks and writes one row of partial sums, which the launcher
-adds up in a second pass.
+loops over its share of the token blocks and writes one row of partial sums, which a second
+kernel, `weight_gradient_kernel`, adds up in one fixed order.
 
 Reading order: the argument groups (View, Angles, Positions, the shapes, Norm, Variant), the
-two kernels, `_rope_tile` (one tile: loads, norm, angles, rotation, stores), the norm's
+three kernels, `_rope_tile` (one tile: loads, norm, angles, rotation, stores), the norm's
 arithmetic (`_rms_norm`, `_rms_norm_backward`), the tokens' positions
 (`_positions`, the thd search of cu_seqlens), the angles (`_tile_angles`, from a table or
 from positions), and last the arithmetic: fma, sin and cos.
@@ -264,6 +264,32 @@ def _typed_norm(norm):
 @triton.jit
 def _typed_view(view):
     return View(view.ptr, view.strides)
+
+
+class WeightGradientTile(NamedTuple):
+    """The compile-time tile of weight_gradient_kernel (its `cfg`)."""
+    BLOCK_ROWS: int    # rows of partial sums added per step
+    BLOCK_W: int       # weight elements (columns) per program
+
+
+@triton.jit
+def weight_gradient_kernel(partial, dw, rows, width, cfg: tl.constexpr):
+    """dL/dweight, the second pass: dw[j] = sum over i of partial[i, j] (partial [rows,
+    width], contiguous, one row per program of the backward), its rows added in the same
+    order whatever order the backward's programs ran in, then rounded once to dw's dtype.
+    A program sums BLOCK_W columns."""
+    BLOCK_ROWS: tl.constexpr = cfg.BLOCK_ROWS
+    BLOCK_W: tl.constexpr = cfg.BLOCK_W
+    cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    cols_ok = cols < width
+    sums = tl.zeros([BLOCK_ROWS, BLOCK_W], partial.dtype.element_ty)
+    first = 0
+    while first < rows:
+        row = first + tl.arange(0, BLOCK_ROWS)
+        sums += tl.load(partial + row.to(tl.int64)[:, None] * width + cols[None, :],
+                        mask=(row < rows)[:, None] & cols_ok[None, :], other=0.0)
+        first += BLOCK_ROWS
+    tl.store(dw + cols, tl.sum(sums, axis=0).to(dw.dtype.element_ty), mask=cols_ok)
 
 
 @triton.jit

@@ -33,8 +33,10 @@ from triton_rotary_kernel import (
     Tokens,
     Variant,
     View,
+    WeightGradientTile,
     rotary_kernel,
     rotary_qkv_kernel,
+    weight_gradient_kernel,
 )
 
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
@@ -319,17 +321,45 @@ def _norm_group(norm, norm_input, partial):
     return _weight_as_read(norm), norm.eps, norm.offset, norm_input, partial
 
 
-def _partial_sums(shape, x):
-    """The buffer of per-program partial sums of dL/dweight, in x's compute dtype."""
-    return torch.empty(shape, device=x.device,
+def _partial_sums(plan, x):
+    """The buffer of per-program partial sums of dL/dweight (a _WeightGradientPlan's), in x's
+    compute dtype."""
+    return torch.empty(plan.partial_shape, device=x.device,
                        dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
-def _weight_gradient(partial, norm):
-    """dL/dweight from the programs' partial sums (the second, deterministic pass)."""
+class _WeightGradientPlan(NamedTuple):
+    """dL/dweight of a norm's backward: the shape of the partial sums the backward's programs
+    write, one row each, and the launch of the second pass that adds them up."""
+    partial_shape: tuple
+    launch: object
+
+
+# The second pass reads the partial sums from L2 (the backward has just written them), so it
+# is bound by latency: enough programs to spread it (WEIGHT_GRADIENT_PROGRAMS, at d 128 a
+# program per 4 columns) and a whole column of 1-2K partial sums loaded in one step.
+WEIGHT_GRADIENT_PROGRAMS = 32
+WEIGHT_GRADIENT_TILE = 8192       # elements per step
+WEIGHT_GRADIENT_WARPS = 8
+
+
+def _weight_gradient_plan(rows, width):
+    block_w = min(64, max(4, triton.next_power_of_2(triton.cdiv(width, WEIGHT_GRADIENT_PROGRAMS))))
+    block_rows = min(triton.next_power_of_2(rows), WEIGHT_GRADIENT_TILE // block_w)
+    return _WeightGradientPlan(
+        (rows, width),
+        _Launch(weight_gradient_kernel, (), (triton.cdiv(width, block_w), 1),
+                WeightGradientTile(block_rows, block_w), WEIGHT_GRADIENT_WARPS))
+
+
+def _weight_gradient(plan, partial, norm):
+    """dL/dweight from the programs' partial sums, in the weight's dtype (zeros where the
+    backward had nothing to launch)."""
     if partial is None:
         return torch.zeros_like(norm.weight)
-    return partial.sum(0).to(norm.weight.dtype)
+    dw = torch.empty(norm.weight.shape, device=partial.device, dtype=norm.weight.dtype)
+    plan.launch(partial, dw, *plan.partial_shape)
+    return dw
 
 
 def _check_index_type(name, value, device, t_name):
@@ -758,7 +788,7 @@ class _RopePlan(NamedTuple):
     shape: tuple = ()            # HeadShape's fields
     tokens: Tokens = None
     norm_input_strides: tuple = ()   # backward of a norm: of the forward's input
-    partial_shape: tuple = ()        # backward of a norm: of the partial sums of dL/dweight
+    weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
 
 
 class _QKVPlan(NamedTuple):
@@ -772,7 +802,7 @@ class _QKVPlan(NamedTuple):
     shape: tuple = ()            # QKVShape's fields
     tokens: Tokens = None
     input_strides: tuple = ()    # backward of a norm: of the forward's q and k inside qkv
-    partial_shapes: tuple = ()   # backward of a norm: of q's and k's partial sums of dL/dweight
+    weight_gradients: tuple = ()  # backward of a norm: q's and k's _WeightGradientPlan
 
 
 # Launch plans keyed by everything the checks and the launch rule read (tensors' metadata,
@@ -916,7 +946,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         shape=(shape.nheads, shape.head_dim, shape.rotary_dim),
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank),
         norm_input_strides=_token_strides(norm_input, tensor_format) if norm_backward else (),
-        partial_shape=(token_blocks * head_programs, norm.weight.numel()) if norm_backward else ())
+        weight_gradient=_weight_gradient_plan(token_blocks * head_programs, norm.weight.numel())
+        if norm_backward else None)
 
 
 def _index_tensor(x):
@@ -972,7 +1003,7 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     norm_group = partial = None
     if norm is not None and plan.launch is not None:
         if backward:
-            partial = _partial_sums(plan.partial_shape, t)
+            partial = _partial_sums(plan.weight_gradient, t)
             norm_input = (norm_input, plan.norm_input_strides)
         norm_group = _norm_group(norm, norm_input, partial)
     if plan.launch is not None:
@@ -986,7 +1017,7 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
             norm_group,                                                         # Norm or None
             *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
     if norm is not None and backward:
-        return out, _weight_gradient(partial, norm)
+        return out, _weight_gradient(plan.weight_gradient, partial, norm)
     return out
 
 
@@ -1140,7 +1171,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
         shape=(kv_heads, q_per_kv, k_dim, shape.rotary_dim, v_dim, q_programs),  # QKVShape
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank),
         input_strides=input_strides,
-        partial_shapes=((token_blocks * q_programs, k_dim), (token_blocks * k_programs, k_dim))
+        weight_gradients=(_weight_gradient_plan(token_blocks * q_programs, k_dim),
+                          _weight_gradient_plan(token_blocks * k_programs, k_dim))
         if norm_backward else ())
 
 
@@ -1180,7 +1212,7 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
         if grads is not None:
             q_in, k_in, _ = _packed_views(qkv, plan.split)
             inputs = ((q_in, plan.input_strides[0]), (k_in, plan.input_strides[1]))
-            q_partial, k_partial = (_partial_sums(shape, qkv) for shape in plan.partial_shapes)
+            q_partial, k_partial = (_partial_sums(p, qkv) for p in plan.weight_gradients)
         norms = [_norm_group(norm, x, partial)
                  for norm, x, partial in zip((q_norm, k_norm), inputs, (q_partial, k_partial))]
     if plan.launch is not None:
@@ -1199,5 +1231,7 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
             *norms,                                                             # q, k: Norm
             *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
     if q_norm is not None and grads is not None:
-        return result, _weight_gradient(q_partial, q_norm), _weight_gradient(k_partial, k_norm)
+        q_plan, k_plan = plan.weight_gradients or (None, None)
+        return (result, _weight_gradient(q_plan, q_partial, q_norm),
+                _weight_gradient(k_plan, k_partial, k_norm))
     return result
