@@ -357,9 +357,13 @@ def _weight_gradient(plan, partial, norm):
     backward had nothing to launch)."""
     if partial is None:
         return torch.zeros_like(norm.weight)
-    dw = torch.empty(norm.weight.shape, device=partial.device, dtype=norm.weight.dtype)
+    # float64 sums (float64 inputs) stay float64 in the kernel and torch rounds them to the
+    # weight's dtype: the interpreter of Triton 3.9 converts float64 to bfloat16 wrongly.
+    wide = partial.dtype == torch.float64
+    dw = torch.empty(norm.weight.shape, device=partial.device,
+                     dtype=partial.dtype if wide else norm.weight.dtype)
     plan.launch(partial, dw, *plan.partial_shape)
-    return dw
+    return dw.to(norm.weight.dtype) if wide else dw
 
 
 def _check_index_type(name, value, device, t_name):
