@@ -358,7 +358,7 @@ def _weight_gradient(plan, partial, norm):
     if partial is None:
         return torch.zeros_like(norm.weight)
     # float64 sums (float64 inputs) stay float64 in the kernel and torch rounds them to the
-    # weight's dtype: the interpreter of Triton 3.9 converts float64 to bfloat16 wrongly.
+    # weight's dtype: the interpreters of Triton 3.7.1 and 3.9 convert float64 to bfloat16 wrongly.
     wide = partial.dtype == torch.float64
     dw = torch.empty(norm.weight.shape, device=partial.device,
                      dtype=partial.dtype if wide else norm.weight.dtype)
