@@ -209,13 +209,13 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
     k_norm the per-head norms of q and k (Norm, or None). The head programs of a token block
     first cover the query heads (kv_heads * q_per_kv, rotated with q_angles), then the key
     heads (k_angles), each with its value heads copied through."""
+    NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
     q, k, v = _typed_in_out(q), _typed_in_out(k), _typed_in_out(v)
-    if cfg.NORM != NO_NORM and cfg.BACKWARD:
+    if NORM_BACKWARD:
         q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
     k_programs = tl.cdiv(shape.kv_heads, cfg.BLOCK_KV)
     tok_block, pid_h = _program_block(shape.q_programs + k_programs, cfg.FLAT_GRID)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
-    NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
     if pid_h < shape.q_programs:
         q_heads = pid_h * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
         q_shape = HeadShape(shape.kv_heads * shape.q_per_kv, shape.head_dim, shape.rotary_dim)
