@@ -433,6 +433,33 @@ def test_freqs_any_layout():
     torch.testing.assert_close(apply_rotary_pos_emb(t, half_precision), expected)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_one_head_tiles_take_any_table(interleaved):
+    """One-head tiles work out sin/cos once for both members of each pair where the table gives
+    them the same angle bits (`SAME_HALVES_ONCE`), tiles of several heads always for each. On a
+    table whose pairs match on some tiles and not on others (by one ulp, or by a quarter), a
+    one-head call gives the bits of a two-head call's first head, forward and backward, and
+    the reference formula's values."""
+    torch.manual_seed(6)
+    s, d = 12, 16
+    table = RotaryPositionEmbedding(d, interleaved=interleaved, device=DEVICE)(s).clone()
+    second = (lambda k: 2 * k + 1) if interleaved else (lambda k: d // 2 + k)
+    up = torch.tensor(math.inf, device=DEVICE)
+    table[4:8, 0, 0, second(1)] = torch.nextafter(table[4:8, 0, 0, second(1)], up)
+    table[8:, 0, 0, second(0)] += 0.25
+    pair = torch.randn(s, 1, 2, d, device=DEVICE)
+    one = pair[:, :, :1].clone()
+    # Four tokens of one head per tile: tokens 0-3 match, 4-7 differ by an ulp, 8-11 by 0.25.
+    rule = triton_rotary_launch.launch_rule()._replace(tile_bytes=4 * d * one.element_size())
+    with triton_rotary_launch.use_launch_rule(rule):
+        for backward in (False, True):
+            alone = set_rotary_kernel(one, table, interleaved=interleaved, backward=backward)
+            together = set_rotary_kernel(pair, table, interleaved=interleaved, backward=backward)
+            assert torch.equal(alone.view(torch.int32), together[:, :, :1].view(torch.int32))
+        compare(apply_rotary_pos_emb, one, non_overlapping_grad, "unfused", freqs=table,
+                interleaved=interleaved)
+
+
 def test_rotary_position_embedding_matches_formula():
     emb = RotaryPositionEmbedding(8, rotary_base=100.0, device=DEVICE)(5, offset=2)
     inv = [100.0 ** (-i / 8) for i in (0, 2, 4, 6)]
