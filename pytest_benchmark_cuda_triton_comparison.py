@@ -3285,6 +3285,41 @@ def test_accuracy_vs_position(tmp_path):
     assert (tmp_path / "accuracy_vs_position.csv").read_text().count("\n") == 1 + len(rows)
 
 
+def _model_tokens(point):
+    return point["seqs"] * point["seq_len"] if "seqs" in point else point["tokens"]
+
+
+def test_models_points_are_large_enough_and_their_lines_agree():
+    """Every `models` point holds at least 16 MiB in bf16 (so that launch latency does not
+    decide its timings), and, built with a few dozen tokens, our table and positions lines
+    compute the same forward and backward (the rotation by minus the angles), to float32
+    rounding, in its own layout (sbhd, thd, Hugging Face's view, fused QKV, M-RoPE; partial
+    and interleaved)."""
+    import rope_bench
+    for point in report.MODEL_POINTS:
+        width = point["kv"] * (point["q_per_kv"] + 2) if point["layout"] == "qkv" else point["heads"]
+        assert _model_tokens(point) * width * point["d"] * 2 >= rope_bench.MIN_MODEL_INPUT_BYTES, point
+        work = rope_bench._model_workload(point, torch.float32, shrink=_model_tokens(point) // 48)
+        assert 0 < work["x"].numel() // (width * point["d"]) <= 128, (point["name"], work["x"].shape)
+        table, positions = work["lines"]["triton"], work["lines"]["triton_positions"]
+        for mode in ("forward", "backward"):
+            ours = [getattr(line, mode)() for line in (table, positions)]
+            a, b = ((o,) if isinstance(o, torch.Tensor) else o for o in ours)
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=point["name"])
+        if point["layout"] in ("sbhd", "hf") and "mrope" not in point:
+            # And the unfused formula, where the point's call is this simple.
+            x, interleaved = work["x"], point.get("interleaved", False)
+            fmt = "sbhd" if point["layout"] == "sbhd" else "bshd"
+            freqs = RotaryPositionEmbedding(point["d"], point.get("rotary_percent", 1.0),
+                                            interleaved=interleaved, device=DEVICE)(x.shape[1 if fmt == "bshd" else 0])
+            torch.testing.assert_close(
+                table.forward(), unfused_reference(x, freqs=freqs, tensor_format=fmt, interleaved=interleaved),
+                msg=point["name"])
+        if point["layout"] == "hf":
+            assert not work["x"].is_contiguous() and work["x"].transpose(1, 2).is_contiguous()
+
+
 def _model_row(ms, copy_ms, **extra):
     return dict(ms=ms, copy_ms=copy_ms, **extra)
 

@@ -6,6 +6,7 @@ summaries and plots from the stored rows.
 
 import functools
 import itertools
+import math
 import os
 import re
 from typing import Callable, NamedTuple
@@ -211,7 +212,7 @@ def _peers():
 
 
 @functools.lru_cache(maxsize=None)
-def _flash_rope_function(apply_rotary):
+def _flash_rope_function(apply_rotary, interleaved=False):
     """flash-attn's forward and backward (the conjugate rotation) as one autograd function,
     the way its own layer wires them, minus the layer's other imports (einops)."""
     class FlashRope(torch.autograd.Function):
@@ -219,13 +220,14 @@ def _flash_rope_function(apply_rotary):
         def forward(ctx, x, cos, sin, cu_seqlens, max_seqlen):
             ctx.save_for_backward(cos, sin, cu_seqlens)
             ctx.max_seqlen = max_seqlen
-            return apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+            return apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                interleaved=interleaved)
 
         @staticmethod
         def backward(ctx, grad):
             cos, sin, cu_seqlens = ctx.saved_tensors
             return (apply_rotary(grad, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=ctx.max_seqlen,
-                                 conjugate=True), None, None, None, None)
+                                 interleaved=interleaved, conjugate=True), None, None, None, None)
     return FlashRope
 
 
@@ -239,25 +241,39 @@ def _autograd_step(fn, inputs):
 
 
 def _thd_lengths(point, shrink=1):
+    """Sequence lengths of a thd point: `seqs` of `seq_len`, or seeded draws until `tokens`,
+    uniform in [min_len, max_len] or, with `lognormal` (mu, sigma of the log), exp(N(mu, sigma))
+    clipped to that range. `shrink` divides the number of sequences, then their length."""
     if "seq_len" in point:
-        return [point["seq_len"]] * max(point["seqs"] // shrink, 1)
+        if point["seqs"] >= shrink:
+            return [point["seq_len"]] * (point["seqs"] // shrink)
+        return [max(point["seq_len"] * point["seqs"] // shrink, 1)]
     gen = torch.Generator().manual_seed(point["seed"])
     total, lengths = max(point["tokens"] // shrink, 1), []
     while sum(lengths) < total:
-        lengths.append(int(torch.randint(point["min_len"], point["max_len"] + 1, (1,), generator=gen)))
+        if "lognormal" in point:
+            mu, sigma = point["lognormal"]
+            draw = math.exp(mu + sigma * float(torch.randn((), generator=gen)))
+            lengths.append(min(max(round(draw), point["min_len"]), point["max_len"]))
+        else:
+            lengths.append(int(torch.randint(point["min_len"], point["max_len"] + 1, (1,), generator=gen)))
     lengths[-1] -= sum(lengths) - total
     return lengths
 
 
-def _flash_line(apply_rotary, x, freqs, cu_seqlens=None, max_seqlen=None):
+def _flash_line(apply_rotary, x, freqs, cu_seqlens=None, max_seqlen=None, interleaved=False):
     """flash-attn on x [b, s, h, d] (or thd [t, h, d] with cu_seqlens): its cos/sin tables are
-    [s, d/2] in x's dtype, as its own rotary layer caches them."""
-    half = freqs.view(freqs.shape[0], -1)[:, :x.shape[-1] // 2]
+    [s, rotary_dim/2] in x's dtype, as its own rotary layer caches them (the angle of each
+    pair, read from our table's layout)."""
+    rows = freqs.view(freqs.shape[0], -1)
+    half = rows[:, 0::2] if interleaved else rows[:, :rows.shape[1] // 2]
     cos, sin = half.cos().to(x.dtype), half.sin().to(x.dtype)
-    flash = _flash_rope_function(apply_rotary)
+    flash = _flash_rope_function(apply_rotary, interleaved)
     return _Line(
-        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen),
-        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, conjugate=True),
+        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                             interleaved=interleaved),
+        lambda: apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                             interleaved=interleaved, conjugate=True),
         lambda: _autograd_step(lambda t: (flash.apply(t, cos, sin, cu_seqlens, max_seqlen),), (x,)),
         2 * x.nbytes)
 
@@ -314,7 +330,10 @@ def _model_workload(point, dtype, shrink=1):
 
     if "mrope" in point:
         return _mrope_workload(point, dtype, shrink, peers, skipped)
-    heads = point["heads"]
+    heads, interleaved = point["heads"], point.get("interleaved", False)
+    partial = point.get("rotary_percent", 1.0) < 1
+    rope = RotaryPositionEmbedding(d, point.get("rotary_percent", 1.0), interleaved=interleaved,
+                                   device=DEVICE)
     if layout == "thd":
         lengths = _thd_lengths(point, shrink)
         tokens = sum(lengths)
@@ -322,26 +341,42 @@ def _model_workload(point, dtype, shrink=1):
         x = new(tokens, heads, d)
         freqs = rope(max(lengths))
         fmt = dict(tensor_format="thd", cu_seqlens=cu)
+    elif layout == "hf":
+        # Hugging Face's layout: contiguous [b, h, s, d] (b = 1), passed as its bshd view.
+        tokens = max(point["tokens"] // shrink, 1)
+        x = new(1, heads, tokens, d).transpose(1, 2)
+        freqs = rope(tokens)
+        fmt = dict(tensor_format="bshd")
     else:
         tokens = max(point["tokens"] // shrink, 1)
         x = new(tokens, 1, heads, d)
         freqs = rope(tokens)
         fmt = dict(tensor_format="sbhd")
+    if interleaved:
+        fmt["interleaved"] = True
 
     lines["triton"], lines["triton_positions"] = _ours_line(x, freqs, **fmt), _ours_line(x, rope, **fmt)
 
     if "flash_attn" in peers:
         if layout == "thd":
-            lines["flash_attn"] = _flash_line(peers["flash_attn"], x, freqs, cu, max(lengths))
+            lines["flash_attn"] = _flash_line(peers["flash_attn"], x, freqs, cu, max(lengths),
+                                              interleaved=interleaved)
         else:
-            lines["flash_attn"] = _flash_line(peers["flash_attn"], x.view(1, tokens, heads, d), freqs)
+            lines["flash_attn"] = _flash_line(peers["flash_attn"], x.view(1, tokens, heads, d)
+                                              if layout == "sbhd" else x, freqs,
+                                              interleaved=interleaved)
     if layout == "thd":
         skipped.setdefault("liger", "no varlen (cu_seqlens) entry point")
     elif "kv" not in point:
         skipped.setdefault("liger", "key tensor: liger rotates it with the query, at the query point")
+    elif interleaved or partial:
+        skipped.setdefault("liger", "no interleaved or partial rotary")
     elif "liger" in peers:
-        lines["liger"] = _liger_line(peers["liger"], new(1, tokens, heads, d), new(1, tokens, point["kv"], d),
-                                     freqs.view(1, freqs.shape[0], -1))
+        # Liger takes [b, h, s, d] views of the bshd storage it is given: for the hf points,
+        # x's own storage (contiguous [b, h, s, d]).
+        k = new(1, point["kv"], tokens, d).transpose(1, 2) if layout == "hf" else new(1, tokens, point["kv"], d)
+        q = x if layout == "hf" else new(1, tokens, heads, d)
+        lines["liger"] = _liger_line(peers["liger"], q, k, freqs.view(1, freqs.shape[0], -1))
     return dict(x=x, lines=lines, skipped=skipped)
 
 

@@ -78,6 +78,26 @@ MODEL_POINTS = [
          mrope=(16, 24, 24)),
     dict(name="VLM-7B-k-thd-8x8K", layout="thd", seqs=8, seq_len=8192, heads=4, d=128,
          mrope=(16, 24, 24)),
+    # Other model families: a head count that is not a power of two (Qwen2.5-14B: 40 query / 8
+    # key heads), head dim 96 (Phi-3-mini: 32 heads), Hugging Face's contiguous [b, h, s, d]
+    # passed as its bshd view (`hf`), partial rotary (GPT-NeoX / Pythia: a quarter of d 128),
+    # interleaved partial rotary (ChatGLM: half of d 128), MLA's RoPE parts (DeepSeek-V3: 128
+    # query heads and one shared key head of 64 interleaved channels) and two heads of d 64.
+    dict(name="h40-q-8K", layout="sbhd", tokens=8192, heads=40, d=128, kv=8),
+    dict(name="d96-h32-16K", layout="sbhd", tokens=16384, heads=32, d=96, kv=32),
+    dict(name="hf-view-q-8K", layout="hf", tokens=8192, heads=32, d=128, kv=8),
+    dict(name="partial-quarter-h32-8K", layout="sbhd", tokens=8192, heads=32, d=128, kv=32,
+         rotary_percent=0.25),
+    dict(name="interleaved-half-h32-8K", layout="sbhd", tokens=8192, heads=32, d=128, kv=2,
+         rotary_percent=0.5, interleaved=True),
+    dict(name="MLA-q-rope-4K", layout="sbhd", tokens=4096, heads=128, d=64, kv=1, interleaved=True),
+    dict(name="MLA-k-rope-128K", layout="sbhd", tokens=131072, heads=1, d=64, interleaved=True),
+    dict(name="h2-d64-64K", layout="sbhd", tokens=65536, heads=2, d=64),
+    # Packed batches: lognormal lengths (median e^5.5, about 245 tokens; SFT-like) over 16
+    # heads, and thousands of 32-token sequences.
+    dict(name="thd-lognormal-32K-h16", layout="thd", tokens=32768, min_len=8, max_len=4096,
+         lognormal=(5.5, 1.0), seed=0, heads=16, d=128),
+    dict(name="thd-4096x32-h8", layout="thd", seqs=4096, seq_len=32, heads=8, d=128),
 ]
 
 SWEEPS = {
