@@ -3320,6 +3320,27 @@ def test_models_points_are_large_enough_and_their_lines_agree():
             assert not work["x"].is_contiguous() and work["x"].transpose(1, 2).is_contiguous()
 
 
+def test_table_bound_counts_the_table_rows_the_path_must_read():
+    """The table path's own bound: a copy's bytes over those plus the float32 table rows read
+    (d2 angles each, per pass): one row per token for one sequence (one head of d 128: as many
+    bytes as the copy in bf16, half as many in fp32), one per position for packed sequences,
+    a quarter of the row with a quarter of d rotated, twice the rows forward + backward."""
+    def row(x, dtype, mode="forward_kernel"):
+        point = report.MODEL_POINT_BY_NAME[x]
+        tokens = point.get("tokens") or point["seqs"] * point["seq_len"]
+        size = {"bf16": 2, "fp32": 4}[dtype]
+        moved = 2 * tokens * point["heads"] * point["d"] * size * (2 if mode == "forward+backward" else 1)
+        return dict(sweep="models", x=x, dtype=dtype, mode=mode, bytes=moved)
+    assert report.table_bound(row("8B-TP8-k-64K", "bf16")) == 0.5
+    assert report.table_bound(row("8B-TP8-k-64K", "fp32")) == pytest.approx(2 / 3)
+    assert report.table_bound(row("8B-TP8-k-64K", "bf16", "forward+backward")) == 0.5
+    assert report.table_bound(row("8B-TP1-q-8K", "bf16")) == pytest.approx(32 / 33)  # 32 heads
+    assert report.table_bound(row("partial-quarter-h32-8K", "bf16")) == pytest.approx(128 / 129)
+    # 2048 sequences of 64 tokens: 64 rows of 512 bytes against 512 MiB moved
+    assert report.table_bound(row("thd-2048x64-h8", "bf16")) == pytest.approx(2**29 / (2**29 + 2**15))
+    assert report.table_bound(dict(row("8B-TP8-k-64K", "bf16"), sweep="seq_length")) is None
+
+
 def _model_row(ms, copy_ms, **extra):
     return dict(ms=ms, copy_ms=copy_ms, **extra)
 
@@ -3421,7 +3442,7 @@ def _fake_sweep_rows(sweep, x, dtype, mode, ms, **stamp):
 
 def _fake_models_rows(point, dtype, mode, ms, copy_ms, **stamp):
     return [dict(sweep="models", x=point, dtype=dtype, mode=mode, provider=p, ms=v, p20=v, p80=v,
-                 bytes=2**20, copy_ms=copy_ms, **stamp) for p, v in ms.items()]
+                 bytes=2**27, copy_ms=copy_ms, **stamp) for p, v in ms.items()]
 
 
 def _fake_artifacts(tmp_path, monkeypatch, rows):
@@ -3458,10 +3479,13 @@ def test_report_regenerates_every_plot_and_the_page(tmp_path, monkeypatch):
     summary = (out / "SUMMARY.md").read_text().splitlines()
     table_start = next(i for i, line in enumerate(summary) if line.startswith("| scope |"))
     assert all(not line.startswith("## ") for line in summary[:table_start])    # the table leads
-    kernels = summary[table_start + 2:table_start + 5]
+    kernels = summary[table_start + 2:table_start + 6]
     assert kernels[0].startswith("| models, kernels alone | Triton (freqs table) | 2 | 0 / 2 | 0.800 |")
-    assert kernels[1].startswith("| models, kernels alone | Triton (positions) | 2 | 2 / 2 | 1.000 |")
-    assert kernels[2] == ("| parameter sweeps, all modes | Triton (freqs table) | 4 | 4 / 4 | 0.990 | 0.990 | "
+    # 8B-TP1-q-8K in bf16 moves 2**27 bytes and reads 2**22 of table: bound 32/33 of copy speed
+    assert kernels[1].startswith("| models, kernels alone | Triton (freqs table), of its own bound | "
+                                 "2 | 0 / 2 | 0.825 |")
+    assert kernels[2].startswith("| models, kernels alone | Triton (positions) | 2 | 2 / 2 | 1.000 |")
+    assert kernels[3] == ("| parameter sweeps, all modes | Triton (freqs table) | 4 | 4 / 4 | 0.990 | 0.990 | "
                           "no peer measured | 4 / 4 (1.50x) |")
     assert "of the current device code" in "\n".join(summary) and " 0 of " in "\n".join(summary)
     pngs = {p.name for p in out.glob("*.png")}

@@ -100,6 +100,8 @@ MODEL_POINTS = [
     dict(name="thd-4096x32-h8", layout="thd", seqs=4096, seq_len=32, heads=8, d=128),
 ]
 
+MODEL_POINT_BY_NAME = {p["name"]: p for p in MODEL_POINTS}
+
 SWEEPS = {
     "seq_length": [512, 1024, 2048, 4096],
     "hidden_size": [128, 256, 512],
@@ -377,6 +379,29 @@ def fraction(row):
     return row["copy_ms"] / row["ms"] if row and row.get("copy_ms") and row["ms"] > 0 else None
 
 
+def table_rows_read(point):
+    """Rows of the float32 angle table that the table path must read from memory at a models
+    point, at least once each: one per token where every token has a row of its own (one
+    sequence, M-RoPE's per-token tables, the fused QKV, whose q and k share one table), one
+    per position for packed sequences (at most the longest sequence's, bounded by max_len)."""
+    if point["layout"] == "thd" and "mrope" not in point:
+        return point["seq_len"] if "seq_len" in point else min(point["tokens"], point["max_len"])
+    return point["seqs"] * point["seq_len"] if "seqs" in point else point["tokens"]
+
+
+def table_bound(row):
+    """The table path's own bound at a models row, as a fraction of copy speed: the bytes a
+    copy moves over those plus the table's (`table_rows_read` rows of d2 float32 angles per
+    pass); None for other rows."""
+    point = MODEL_POINT_BY_NAME.get(str(row.get("x")))
+    if row.get("sweep") != "models" or point is None or not row.get("bytes"):
+        return None
+    passes = 2 if row["mode"].startswith(EAGER_STEP) else 1
+    rotary_dim = int(point["d"] * point.get("rotary_percent", 1.0))
+    table = passes * table_rows_read(point) * rotary_dim * 4
+    return row["bytes"] / (row["bytes"] + table)
+
+
 def model_table(results):
     """{(point, dtype, mode): {provider: row}} of the models rows, in table order."""
     table = {}
@@ -461,6 +486,14 @@ def kernels_overview(table):
     return overview
 
 
+def table_path_of_bound(table):
+    """The table path's fraction of its own bound (`table_bound`) at every models point-mode
+    timed as kernels alone."""
+    return [frac / bound for (_, _, mode), rows in table.items()
+            if mode in KERNEL_MODES and (frac := fraction(rows.get("triton"))) is not None
+            and (bound := table_bound(rows["triton"])) is not None]
+
+
 def sweeps_overview(results):
     """PathStats of our table path ("triton") over every parameter-sweep point, dtype and mode,
     against TE where TE was measured (the sweeps have no peers); None without such rows."""
@@ -482,8 +515,11 @@ def headline(results):
     lines = ["| scope | path | point-modes | at >= " + f"{TARGET_FRACTION} of copy | median | minimum "
              "| at or above the best peer | at or above TE (min speedup) |",
              "|---|---|---|---|---|---|---|---|"]
-    kernels = kernels_overview(model_table(results))
+    table = model_table(results)
+    kernels = kernels_overview(table)
     scoped = [("models, kernels alone", MODEL_PROVIDERS[p], kernels[p]) for p in OURS]
+    scoped.insert(1, ("models, kernels alone", MODEL_PROVIDERS["triton"] + ", of its own bound",
+                      _path_stats(table_path_of_bound(table), [], [])))
     scoped.append(("parameter sweeps, all modes", MODEL_PROVIDERS["triton"], sweeps_overview(results)))
     for scope, path, stats in scoped:
         if stats is None:
@@ -573,12 +609,17 @@ def _models_summary(results):
         else:
             lines.append(f"- {MODEL_PROVIDERS[ours]}: no results (the path raised or was not run)")
     lines.append(f"- flagged point-modes: {sum(bool(f) for f in flagged.values())} of {len(table)}")
-    lines += ["", "| point | dtype | mode | copy | " + " | ".join(MODEL_PROVIDERS[p] for p in present)
-              + " | flags |", "|---|---|---|---|" + "---|" * len(present) + "---|"]
+    lines += ["", "Table bound: the table path's own bound, a copy of the point's bytes plus the "
+              "float32 table rows it must read (`table_bound`), as a fraction of copy speed.", "",
+              "| point | dtype | mode | copy | table bound | "
+              + " | ".join(MODEL_PROVIDERS[p] for p in present)
+              + " | flags |", "|---|---|---|---|---|" + "---|" * len(present) + "---|"]
     for (point, dtype, mode), rows in table.items():
         copy = rows.get("copy")
+        bound = table_bound(rows["triton"]) if "triton" in rows else None
         cells = [f"{rows[p]['ms']:.4f} ({fraction(rows[p]):.3f})" if p in rows else "-" for p in present]
         lines.append(f"| {point} | {dtype} | {mode} | " + (f"{copy['ms']:.4f} | " if copy else "- | ")
+                     + (f"{bound:.3f} | " if bound is not None else "- | ")
                      + " | ".join(cells) + f" | {'; '.join(flagged[(point, dtype, mode)])} |")
     return lines + [""]
 
@@ -663,9 +704,10 @@ def _models_across_gpus(tables):
     if not keys:
         return []
     lines = ["## models: fraction of copy speed", "",
-             "Per GPU: Triton (freqs table) / Triton (positions) / best peer (liger, liger_mrope or "
-             "flash-attn, by fraction) / a plain Triton copy kernel of the same bytes. `-`: not "
-             "measured or the path raised. The eager forward+backward rows are host-bound.", "",
+             "Per GPU: Triton (freqs table) [its own bound: a copy plus the table rows it must "
+             "read] / Triton (positions) / best peer (liger, liger_mrope or flash-attn, by "
+             "fraction) / a plain Triton copy kernel of the same bytes. `-`: not measured or the "
+             "path raised. The eager forward+backward rows are host-bound.", "",
              "| point | dtype | mode | " + " | ".join(gpus) + " |", "|---|---|---|" + "---|" * len(gpus)]
     for key in keys:
         cells = []
@@ -673,6 +715,8 @@ def _models_across_gpus(tables):
             rows = tables[g].get(key, {})
             best = best_peer(rows)
             ours = [f"{f:.3f}" if (f := fraction(rows.get(p))) is not None else "-" for p in OURS]
+            if "triton" in rows and (bound := table_bound(rows["triton"])) is not None:
+                ours[0] += f" [{bound:.3f}]"
             tcopy = fraction(rows.get("triton_copy"))
             cells.append(" / ".join(ours) + (f" / {best[0]:.3f} {best[1]}" if best else " / -")
                          + (f" / {tcopy:.3f}" if tcopy is not None else " / -"))
