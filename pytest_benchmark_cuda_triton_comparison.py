@@ -3327,9 +3327,9 @@ def test_table_bound_counts_the_table_rows_the_path_must_read():
     a quarter of the row with a quarter of d rotated, twice the rows forward + backward."""
     def row(x, dtype, mode="forward_kernel"):
         point = report.MODEL_POINT_BY_NAME[x]
-        tokens = point.get("tokens") or point["seqs"] * point["seq_len"]
         size = {"bf16": 2, "fp32": 4}[dtype]
-        moved = 2 * tokens * point["heads"] * point["d"] * size * (2 if mode == "forward+backward" else 1)
+        moved = (2 * _model_tokens(point) * point["heads"] * point["d"] * size
+                 * (2 if mode == "forward+backward" else 1))
         return dict(sweep="models", x=x, dtype=dtype, mode=mode, bytes=moved)
     assert report.table_bound(row("8B-TP8-k-64K", "bf16")) == 0.5
     assert report.table_bound(row("8B-TP8-k-64K", "fp32")) == pytest.approx(2 / 3)
