@@ -307,10 +307,10 @@ def _model_workload(point, dtype, shrink=1):
     that a CPU check can build every point under the interpreter)."""
     d, layout = point["d"], point["layout"]
     new = functools.partial(torch.randn, dtype=dtype, device=DEVICE)
-    rope = RotaryPositionEmbedding(d, device=DEVICE)
     peers, missing = _peers()
     lines, skipped = {}, dict(missing)
     if layout == "qkv":
+        rope = RotaryPositionEmbedding(d, device=DEVICE)
         tokens, kv, per_kv = max(point["tokens"] // shrink, 1), point["kv"], point["q_per_kv"]
         split = [per_kv * d, d, d]
         x = new(tokens, 1, kv, sum(split))
