@@ -2852,6 +2852,9 @@ def _planned_calls():
               lambda: rope(t, mrope, positions=axis_positions, **head),
               lambda: rope(t_thd, exact, "thd", positions=torch.arange(s * b, device=DEVICE) % 50)]
     calls += [lambda dtype=dtype: rope(t.to(dtype), table) for dtype in (torch.float16, torch.float32, torch.float64)]
+    # One head per token from a table: tiles whose sin/cos are worked out once where the
+    # table's halves match (`SAME_HALVES_ONCE`).
+    calls += [lambda: rope(t[:, :, :1], table)]
     calls += [lambda: rope(t.double(), exact, **head), lambda: rope(t[:2, :1, :3], exact, **head)]
     # One token of one head: strides of 1 wherever the fuzzer may put them (constants in the
     # kernel, which Triton 3.5.1 lost when two shared a View).
