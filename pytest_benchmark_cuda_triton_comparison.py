@@ -3323,6 +3323,19 @@ def test_models_points_are_large_enough_and_their_lines_agree():
             assert not work["x"].is_contiguous() and work["x"].transpose(1, 2).is_contiguous()
 
 
+def test_models_time_fp16_and_parameter_sweeps_do_not(monkeypatch):
+    """`--dtypes` names bf16, fp16 and fp32 by default: the models sweep times each, the
+    parameter sweeps (TE's comparisons, in bf16 and fp32) skip fp16."""
+    import rope_bench
+    timed = []
+    monkeypatch.setattr(rope_bench, "_run_sweep", lambda sweep, dtype, mode, *_: timed.append((sweep, dtype)))
+    monkeypatch.setattr(rope_bench, "_run_models", lambda dtypes, *_, **__: timed.extend(("models", d) for d in dtypes))
+    dtypes = rope_bench._parse_list(rope_bench._parser().parse_args([]).dtypes, rope_bench.BENCH_DTYPES, "dtypes")
+    rope_bench._timed_rows(["seq_length", "models"], dtypes, ["forward"], ["forward_kernel"], {})
+    assert sorted(set(timed)) == [("models", "bf16"), ("models", "fp16"), ("models", "fp32"),
+                                  ("seq_length", "bf16"), ("seq_length", "fp32")]
+
+
 def test_table_bound_counts_the_table_rows_the_path_must_read():
     """The table path's own bound: a copy's bytes over those plus the float32 table rows read
     (d2 angles each, per pass): one row per token for one sequence (one head of d 128: as many

@@ -19,6 +19,7 @@ import rope_bench_report as report
 from rope_bench_report import (
     ARTIFACTS_ROOT,
     BENCH_DEFAULTS,
+    DTYPE_NAMES,
     KERNEL_MODES,
     MODEL_MODES,
     MODEL_POINTS,
@@ -32,7 +33,7 @@ from te_comparator import load_te_qkv_rope, load_te_rope
 from triton_rotary_launch import set_rotary_kernel, set_rotary_qkv_kernel
 from triton_rotary_main import RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 
-BENCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+BENCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 MIN_MODEL_INPUT_BYTES = 16 * 2 ** 20
 
@@ -665,7 +666,9 @@ def _parser():
                "results.html, and artifacts/SUMMARY.md.")
     parser.add_argument("--sweeps", default=",".join(SWEEPS),
                         help=f"comma-separated sweeps (default all: {','.join(SWEEPS)})")
-    parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES))
+    parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES),
+                        help=f"comma-separated (default all: {','.join(BENCH_DTYPES)}); the parameter "
+                             f"sweeps take {', '.join(DTYPE_NAMES)} of them, models all")
     parser.add_argument("--modes", default=",".join(MODES + MODEL_MODES),
                         help=f"comma-separated; {', '.join(MODES)} apply to the parameter sweeps, "
                              f"{', '.join(MODEL_MODES)} to models (default: all)")
@@ -692,7 +695,7 @@ def _timed_rows(sweeps, dtypes, modes, model_modes, stamp):
     for i, sweep in enumerate(sweeps, 1):
         progress = f"[sweep {i}/{len(sweeps)}] {sweep}"
         if sweep != "models":
-            for dtype_name in dtypes:
+            for dtype_name in (d for d in dtypes if d in DTYPE_NAMES):
                 for mode in modes:
                     _run_sweep(sweep, dtype_name, mode, results, progress)
         elif model_modes:

@@ -116,7 +116,9 @@ SWEEPS = {
     "models": [p["name"] for p in MODEL_POINTS],
 }
 PARAMETER_SWEEPS = [s for s in SWEEPS if s != "models"]
-DTYPE_NAMES = ("bf16", "fp32")
+DTYPE_NAMES = ("bf16", "fp32")            # the parameter sweeps
+# The models sweep also times fp16 (the half precision TE and inference stacks serve).
+MODEL_DTYPE_NAMES = ("bf16", "fp16", "fp32")
 MODES = ("forward", "backward", "forward+backward")
 # The models sweep times the kernels alone (one call, replayed from a CUDA graph), the eager
 # autograd step, and the same step replayed from a CUDA graph: eager minus graph is what the
@@ -413,7 +415,7 @@ def model_table(results):
     def order(key):
         point, dtype, mode = key
         return (names.index(point) if point in names else len(names), point,
-                DTYPE_NAMES.index(dtype) if dtype in DTYPE_NAMES else 9,
+                MODEL_DTYPE_NAMES.index(dtype) if dtype in MODEL_DTYPE_NAMES else 9,
                 MODEL_MODES.index(mode) if mode in MODEL_MODES else 9)
     return {k: table[k] for k in sorted(table, key=order)}
 
@@ -505,7 +507,7 @@ def sweeps_overview(results):
 
 HEADLINE_CAPTION = (
     "Our two paths: Triton (freqs table), TE's API, and Triton (positions), the angles made in the "
-    "kernel. models: the point-modes timed as kernels alone, both dtypes; parameter sweeps: the "
+    "kernel. models: the point-modes timed as kernels alone, every dtype; parameter sweeps: the "
     "table path at every point, dtype and mode, against TE where TE was timed too.")
 
 
@@ -943,7 +945,7 @@ def write_model_plots(out_dir, gpu, top):
     one two-panel plot of the forward+backward step, eager beside its CUDA-graph twin."""
     results = load_json(os.path.join(out_dir, "results.json"), [])
     plt = _pyplot()
-    for dtype in DTYPE_NAMES:
+    for dtype in MODEL_DTYPE_NAMES:
         by_mode = _models_by_mode(results, dtype)
         for mode, rows in by_mode.items():
             stem = os.path.join(out_dir, f"models_{dtype}_{mode_slug(mode)}")
@@ -985,9 +987,10 @@ def write_results_html(out_dir):
             "ms; 1.0 = the copy). Numbers: <a href=\"SUMMARY.md\">SUMMARY.md</a> and the CSV beside "
             "each plot.</p>"]
     body += _html_section("models: kernels alone", _images(
-        out_dir, [f"models_{d}_{m}" for m in KERNEL_MODES for d in DTYPE_NAMES]), 2)
+        out_dir, [f"models_{d}_{m}" for m in KERNEL_MODES for d in MODEL_DTYPE_NAMES]), 2)
     body += _html_section("models: forward+backward step, eager (above: host-bound) vs replayed from a "
-                          "CUDA graph (below)", _images(out_dir, [eager_vs_graph_plot_name(d) for d in DTYPE_NAMES]), 2)
+                          "CUDA graph (below)",
+                          _images(out_dir, [eager_vs_graph_plot_name(d) for d in MODEL_DTYPE_NAMES]), 2)
     for sweep in PARAMETER_SWEEPS:
         body += _html_section(f"parameter sweep: {sweep}", _images(
             out_dir, [sweep_plot_name(sweep, d, m) for d in DTYPE_NAMES for m in MODES]), 3)
