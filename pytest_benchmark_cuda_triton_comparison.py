@@ -652,7 +652,8 @@ def test_qk_norm_gradcheck_float64(case):
         freqs = RotaryPositionEmbedding(rotary_dim, interleaved=case.get("interleaved", False), device=DEVICE)
     else:
         freqs = torch.randn(16, 1, 1, rotary_dim, device=DEVICE) * 3
-    rule = triton_rotary_launch.launch_rule()._replace(tile_bytes=256, search_tile_bytes=256, norm_programs_per_sm=1)
+    rule = triton_rotary_launch.launch_rule()._replace(tile_bytes=256, search_tile_bytes=256,
+                                                       norm_backward_warps_per_sm=1)
     with triton_rotary_launch.use_launch_rule(rule):
         assert torch.autograd.gradcheck(
             lambda x, w: apply_rotary_pos_emb(x, freqs, norm_weight=w, norm_over=over, **case), (t, weight))
@@ -692,8 +693,9 @@ def test_qk_norm_pipelined_backward_matches_the_plain_loop():
         out["qkv"] = torch.autograd.grad((q * q).sum() + (k * k).sum() + v.sum(), (qkv, weight))
         return out
 
-    small = L.launch_rule()._replace(tile_bytes=128, qkv_tile_bytes=256, norm_backward_tile_bytes=128,
-                                     search_tile_bytes=128, min_programs_per_sm=0, norm_programs_per_sm=1)
+    small = L.launch_rule()._replace(tile_bytes=128, qkv_tile_bytes=256, norm_backward_rows=2,
+                                     search_tile_bytes=128, min_programs_per_sm=0,
+                                     norm_backward_warps_per_sm=1)
     results, stages = [], []
     for pipeline_stages in (0, 3):
         L._PLANS.clear()
@@ -2960,31 +2962,57 @@ def test_plan_cache_keeps_validation():
 
 
 def test_norm_calls_take_the_norms_tiles_and_warps():
-    """A QK-norm forward takes the plain tile in rule.norm_warps warps, its backward
-    rule.norm_backward_tile_bytes in rule.norm_backward_warps (fused QKV too); a call without a
-    norm keeps rule.num_warps."""
+    """A QK-norm forward takes the plain tile in rule.norm_warps warps, in
+    rule.norm_one_head_warps where its tile holds one head. Its backward takes tiles of
+    rule.norm_backward_rows rows (the fused QKV: its own tile), in as many warps as give each
+    thread rule.norm_backward_thread_elements elements, and rule.norm_backward_warps_per_sm
+    warps per SM along the tokens. A call without a norm keeps rule.num_warps."""
     L = triton_rotary_launch
     freqs = RotaryPositionEmbedding(16, device=DEVICE)(64)
-    t = torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True)
+    inputs = {"4 heads": torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True),
+              "1 head": torch.randn(64, 2, 1, 16, device=DEVICE, requires_grad=True)}
     qkv = torch.randn(64, 2, 2, 64, device=DEVICE, requires_grad=True)
     weight = torch.randn(16, device=DEVICE, requires_grad=True)
+    # 256 bytes hold 4 rows of 16 float32 channels; 16 rows hold 256 elements, 2 warps of 4
+    # each; 8 warps per SM are 4 programs of 2 warps.
     rule = L.launch_rule()._replace(tile_bytes=256, qkv_tile_bytes=256, num_warps=4, norm_warps=1,
-                                    norm_backward_tile_bytes=1024, norm_backward_warps=2,
-                                    min_programs_per_sm=0)
+                                    norm_one_head_warps=8, norm_backward_rows=16,
+                                    norm_backward_thread_elements=4,
+                                    norm_backward_warps_per_sm=8, min_programs_per_sm=0)
+    found = {}
     with L.use_launch_rule(rule):
+        for name, t in inputs.items():
+            L._PLANS.clear()
+            apply_rotary_pos_emb(t, freqs, norm_weight=weight).sum().backward()
+            with torch.no_grad():
+                apply_rotary_pos_emb(t, freqs)
+            for plan in L._PLANS.values():
+                launch = plan.launch
+                key = (name, "norm" if launch.cfg.NORM else "plain",
+                       "backward" if launch.cfg.BACKWARD else "forward")
+                found[key] = (launch.num_warps, launch.cfg.BLOCK_T, launch.cfg.BLOCK_H,
+                              launch.grid[0])
         L._PLANS.clear()
-        apply_rotary_pos_emb(t, freqs, norm_weight=weight).sum().backward()
         apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], q_norm_weight=weight,
                                        k_norm_weight=weight)[0].sum().backward()
-        with torch.no_grad():
-            apply_rotary_pos_emb(t, freqs)
-        plans = [p.launch for p in L._PLANS.values() if p.launch is not None]
-    found = {(launch.cfg.NORM != 0, launch.cfg.BACKWARD, launch.kernel is L.rotary_qkv_kernel):
-             (launch.num_warps, launch.cfg.BLOCK_T * launch.cfg.BLOCK_H) for launch in plans}
-    # 256 bytes hold 4 rows of 16 float32 channels, 1024 bytes 16 rows (4 heads x 4 tokens).
-    assert found == {(True, False, False): (1, 4), (True, True, False): (2, 16),
-                     (True, False, True): (1, 4), (True, True, True): (2, 16),
-                     (False, False, False): (4, 4)}, found
+        for plan in L._PLANS.values():
+            launch = plan.launch
+            found[("qkv", "backward" if launch.cfg.BACKWARD else "forward")] = (
+                launch.num_warps, launch.cfg.BLOCK_T, launch.cfg.BLOCK_H)
+    sms = L._sm_count(torch.device(DEVICE))
+    # 128 tokens; forward tiles of 4 rows, backward tiles of 16 rows (the tokens split into
+    # 32 blocks of 4 tokens x 4 heads, or 8 blocks of 16 tokens x 1 head), 4 programs per SM.
+    assert found == {
+        ("4 heads", "norm", "forward"): (1, 1, 4, 128),
+        ("4 heads", "norm", "backward"): (2, 4, 4, min(32, 4 * sms)),
+        ("4 heads", "plain", "forward"): (4, 1, 4, 128),
+        ("1 head", "norm", "forward"): (8, 4, 1, 32),
+        ("1 head", "norm", "backward"): (2, 16, 1, min(8, 4 * sms)),
+        ("1 head", "plain", "forward"): (4, 4, 1, 32),
+        # query tiles of 256 bytes: 1 token x 4 heads, 1 warp forward and (64 elements) backward
+        ("qkv", "forward"): (1, 1, 4),
+        ("qkv", "backward"): (1, 1, 4),
+    }, found
 
 
 def test_launch_rule_changes_make_new_plans():

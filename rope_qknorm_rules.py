@@ -33,30 +33,32 @@ BF16, EPS, TOKENS = torch.bfloat16, 1e-6, 16384
 ROUNDS, REPLAYS = 7, 10
 POINTS = [  # q heads, kv heads, head dim, norm offset, norm over
     dict(model="Qwen3-8B", hq=32, hk=8, d=128, offset=0.0, over="head"),
+    dict(model="Qwen3-8B-TP8", hq=4, hk=1, d=128, offset=0.0, over="head"),
     dict(model="Gemma-3", hq=16, hk=8, d=256, offset=1.0, over="head"),
     dict(model="OLMo-2", hq=32, hk=32, d=128, offset=0.0, over="token"),
 ]
 G = L.GPU_RULE
 RULES = {
     "rule": G,
-    # the plain tiles and warps, as before the norm had its own
-    "plain": G._replace(norm_warps=G.num_warps, norm_backward_tile_bytes=G.tile_bytes,
-                        norm_backward_warps=G.num_warps, norm_programs_per_sm=8),
-    "plain_qkv": G._replace(norm_warps=G.num_warps, norm_backward_tile_bytes=G.qkv_tile_bytes,
-                            norm_backward_warps=G.num_warps, norm_programs_per_sm=8),
     "fwd_4_warps": G._replace(norm_warps=4),
-    "bwd_4KiB_4_warps": G._replace(norm_backward_tile_bytes=4096, norm_backward_warps=4,
-                                   norm_programs_per_sm=4),
-    "bwd_4_programs": G._replace(norm_programs_per_sm=4),
-    "bwd_4_warps": G._replace(norm_backward_warps=4, norm_programs_per_sm=4),
+    "fwd_one_head_2_warps": G._replace(norm_one_head_warps=2),
+    "bwd_8_rows": G._replace(norm_backward_rows=8),
+    # 8 KiB in 8 warps at d 128 (bf16), two programs per SM: the rule before rows and warps
+    # followed the head dim
+    "bwd_32_rows": G._replace(norm_backward_rows=32),
+    "bwd_8_elements": G._replace(norm_backward_thread_elements=8),
+    "bwd_32_warps_per_sm": G._replace(norm_backward_warps_per_sm=32),
     "bwd_unpipelined": G._replace(norm_pipeline_stages=0),
     "bwd_2_stages": G._replace(norm_pipeline_stages=2),
     "bwd_4_stages": G._replace(norm_pipeline_stages=4),
+    "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
     "qkv_bwd_pipelined": G._replace(qkv_norm_pipeline_stages=3),
 }
-ROPE_RULES = ("rule", "plain", "fwd_4_warps", "bwd_4KiB_4_warps", "bwd_4_programs")
-EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_4_programs")
-QKV_RULES = ("rule", "plain_qkv", "fwd_4_warps", "bwd_4_warps")
+ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_8_rows", "bwd_32_rows",
+              "bwd_8_elements", "bwd_32_warps_per_sm")
+EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_8_rows",
+               "bwd_32_rows", "bwd_32_warps_per_sm")
+QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
 QKV_EXACT_RULES = ("rule", "qkv_bwd_pipelined")
 
 

@@ -62,21 +62,33 @@ SEARCH_TILE_BYTES = 8192
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
 # With a norm, a program holds a tile's loads until each row's sums are complete, and the
-# backward holds two tiles (the gradient and the norm's input) and its sums of dL/dweight. On
-# the H100 and the H200 (Qwen3, Gemma 3, OLMo 2 shapes, bf16; docs/results.md) the forward ran
-# fastest with the plain tile in NORM_WARPS warps (each thread two 16-byte vectors of each half
-# at 4 KiB): 1.06-1.09 copies on the H100 where 4 warps gave 1.12-1.22; the backward with
-# NORM_BACKWARD_TILE_BYTES in NORM_BACKWARD_WARPS warps (one vector of each half per thread),
-# where 4 KiB in 4 warps was 1.8x (H100) and 2.0x (H200) slower at head_dim 256 (at its 168
-# registers per thread 12 warps fit on an SM, against 16 of these at 117).
+# backward holds two tiles (the gradient and the norm's input) and its sums of dL/dweight. The
+# forward takes the plain tile in NORM_WARPS warps (each thread two 16-byte vectors of each half
+# at 4 KiB, bf16, d 128): 1.06-1.09 copies at the Qwen3, Gemma 3 and OLMo 2 shapes on the H100,
+# where 4 warps gave 1.12-1.22 (docs/results.md). A tile of one head takes NORM_ONE_HEAD_WARPS:
+# its threads cannot share a token's angles across heads, so each works out one per pair it
+# holds. Kernels alone, one key head of d 128 (Qwen3-8B at tensor parallelism 8), bf16, 16K-64K
+# tokens, exact angles: 1.30-1.31 -> 1.09-1.11 copies (H100), 1.50-1.63 -> 1.24-1.33 (H200).
 NORM_WARPS = 2
-NORM_BACKWARD_TILE_BYTES = 8192
-NORM_BACKWARD_WARPS = 8
-# The backward of a norm launches this many programs per SM along the tokens, each looping
-# over its share of the token blocks, so that the per-program partial sums of dL/dweight stay a
-# small fraction of the traffic: as many as are resident at once (two of 8 warps, at the
-# backward's registers), so that none waits for a second wave.
-NORM_PROGRAMS_PER_SM = 2
+NORM_ONE_HEAD_WARPS = 4
+# The backward takes tiles of NORM_BACKWARD_ROWS (token, head) rows (a norm over the whole
+# token: whole tokens; the fused QKV: its QKV_TILE_BYTES), in as many warps as give each thread
+# NORM_BACKWARD_THREAD_ELEMENTS elements of the tile, at most NORM_BACKWARD_MAX_WARPS, and
+# launches NORM_BACKWARD_WARPS_PER_SM warps per SM along the tokens, each program looping over
+# its share of the token blocks (as many as are resident at once, so that none waits for a
+# second wave; the per-program partial sums of dL/dweight stay a small fraction of the
+# traffic). At bf16 that is 4 KiB in 4 warps at d 128, 8 KiB in 8 warps at d 256, 2 KiB in 2
+# warps at d 64. Kernels alone, bf16, against 8 KiB in 8 warps at every d (in copies of the
+# tensor; ideal 1.5), H100 / H200: Qwen3-8B's 8 key heads 1.73 -> 1.71 / 1.96 -> 1.77 (exact
+# angles), 2.04 -> 1.89 / 2.58 -> 2.25 (TE's table); Qwen3-8B's query and key heads at
+# tensor parallelism 8, 64K tokens, exact angles, 4 heads 1.89 -> 1.72 / 2.64 -> 1.75, 1 head
+# 2.64 -> 2.45 / 3.48 -> 3.25; two heads of d 64 2.58 -> 2.18 (H100). Slower at one point:
+# 32 heads, packed thd with positions, H200, 1.62 -> 1.68. Tiles of 8 rows were 1.6-2.5x
+# slower with exact angles (Gemma 3's d 256 in 4 KiB, d 128 in 2 KiB).
+NORM_BACKWARD_ROWS = 16
+NORM_BACKWARD_THREAD_ELEMENTS = 16
+NORM_BACKWARD_MAX_WARPS = 8
+NORM_BACKWARD_WARPS_PER_SM = 16
 # That backward's token loop is software-pipelined this many stages deep where its angles come
 # from positions: the next tiles' loads go to shared memory while a tile is worked on. Kernels
 # alone, q and k at 16K tokens, bf16, exact angles (rope_qknorm_rules.py, artifacts/qknorm/
@@ -96,9 +108,12 @@ NORM_PIPELINE_STAGES = 3
 QKV_NORM_PIPELINE_STAGES = 0
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
-# tensor bounds), so its rule pipelines nothing.
+# tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
+# gives each thread a whole tile (one warp), so INTERPRETER_NORM_PROGRAMS warps per "SM" are
+# as many programs.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
+INTERPRETER_NORM_ROWS = 1024
 INTERPRETER_NORM_PROGRAMS = 2
 
 
@@ -109,21 +124,23 @@ class LaunchRule(NamedTuple):
     min_programs_per_sm: int    # the interpreter counts as one SM
     search_tile_bytes: int
     qkv_tile_bytes: int
-    norm_programs_per_sm: int
     norm_warps: int
-    norm_backward_tile_bytes: int
-    norm_backward_warps: int
+    norm_one_head_warps: int
+    norm_backward_rows: int
+    norm_backward_thread_elements: int
+    norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
     qkv_norm_pipeline_stages: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
-                      NORM_PROGRAMS_PER_SM, NORM_WARPS, NORM_BACKWARD_TILE_BYTES,
-                      NORM_BACKWARD_WARPS, NORM_PIPELINE_STAGES, QKV_NORM_PIPELINE_STAGES)
+                      NORM_WARPS, NORM_ONE_HEAD_WARPS, NORM_BACKWARD_ROWS,
+                      NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
+                      NORM_PIPELINE_STAGES, QKV_NORM_PIPELINE_STAGES)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
-                              INTERPRETER_NORM_PROGRAMS, NUM_WARPS, INTERPRETER_TILE_BYTES,
-                              NUM_WARPS, 0, 0)
+                              NUM_WARPS, NUM_WARPS, INTERPRETER_NORM_ROWS,
+                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0)
 _RULE_OVERRIDE = [None]
 
 
@@ -309,11 +326,12 @@ def _weight_as_read(norm):
     return weight
 
 
-def norm_programs(token_blocks, head_programs, device, rule):
-    """Programs along the tokens for the backward of a norm: about rule.norm_programs_per_sm
-    per SM in all, each looping over its share of the token blocks."""
-    return max(1, min(token_blocks,
-                      triton.cdiv(rule.norm_programs_per_sm * _sm_count(device), head_programs)))
+def norm_programs(token_blocks, head_programs, device, rule, num_warps):
+    """Programs along the tokens for the backward of a norm, of num_warps warps each: about
+    rule.norm_backward_warps_per_sm warps per SM in all, each program looping over its share
+    of the token blocks."""
+    per_sm = max(1, rule.norm_backward_warps_per_sm // num_warps)
+    return max(1, min(token_blocks, triton.cdiv(per_sm * _sm_count(device), head_programs)))
 
 
 def _norm_group(norm, norm_input, partial):
@@ -567,14 +585,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
-                  tile_bytes: int, rule: LaunchRule, whole_tokens: bool = False,
-                  num_warps: int = None):
+                  tile_bytes: int, rule: LaunchRule, whole_tokens: bool = False):
     """Tile sizes, grid and warps for one non-empty call: a pure function of the sizes (no
     autotuning). Large inputs get one tile shape whatever their length; only inputs too small
     to give every SM rule.min_programs_per_sm programs get smaller tiles (a bounded set of
-    compiled variants). `tile_bytes` and `num_warps` (rule.num_warps if None): one of the
-    rule's tiles (`_norm_tile` gives a norm's). `whole_tokens`: a tile holds all heads of its
-    tokens (a norm over the whole token)."""
+    compiled variants). `tile_bytes`: one of the rule's tiles, in rule.num_warps warps (a
+    norm's warps: `_norm_warps`). `whole_tokens`: a tile holds all heads of its tokens (a norm
+    over the whole token)."""
     block_half = triton.next_power_of_2(shape.rotary_dim // 2)
     pass_dims = shape.head_dim - shape.rotary_dim if copy_pass else 0
     block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
@@ -595,16 +612,19 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
         block_h //= 2
     grid = (triton.cdiv(shape.num_tokens, block_t), triton.cdiv(shape.nheads, block_h))
     meta = dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-                num_warps=rule.num_warps if num_warps is None else num_warps)
+                num_warps=rule.num_warps)
     return grid, meta
 
 
-def _norm_tile(rule: LaunchRule, tile_bytes: int, backward: bool):
-    """(tile_bytes, num_warps) for launch_config with a norm: the plain tile in the norm's warps
-    forward, the norm's backward tile backward (NORM_WARPS says why)."""
-    if backward:
-        return rule.norm_backward_tile_bytes, rule.norm_backward_warps
-    return tile_bytes, rule.norm_warps
+def _norm_warps(rule: LaunchRule, tile: dict, backward: bool) -> int:
+    """Warps of a tile (launch_config's) with a norm (NORM_WARPS and NORM_BACKWARD_ROWS say
+    why): forward, rule.norm_warps, or rule.norm_one_head_warps for a tile of one head;
+    backward, as many as give each thread rule.norm_backward_thread_elements of the tile."""
+    if not backward:
+        return rule.norm_one_head_warps if tile["BLOCK_H"] == 1 else rule.norm_warps
+    elements = tile["BLOCK_T"] * tile["BLOCK_H"] * (2 * tile["BLOCK_HALF"] + tile["BLOCK_PASS"])
+    warps = elements // (32 * rule.norm_backward_thread_elements)
+    return max(1, min(NORM_BACKWARD_MAX_WARPS, warps))
 
 
 def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -> int:
@@ -919,19 +939,22 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     is_thd = tensor_format == "thd"
     rule = launch_rule()
     searches = is_thd and positions is None          # tiles search cu_seqlens
-    tile_bytes, num_warps = rule.search_tile_bytes if searches else rule.tile_bytes, None
-    if norm is not None:
-        tile_bytes, num_warps = _norm_tile(rule, tile_bytes, backward)
+    tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
+    norm_backward = norm is not None and backward
+    if norm_backward:
+        # A norm covers every channel, so a row is the whole head.
+        tile_bytes = rule.norm_backward_rows * shape.head_dim * t.element_size()
     # A norm covers every channel, so the channels past rotary_dim are written in place too.
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
         element_size=t.element_size(), tile_bytes=tile_bytes, rule=rule,
-        whole_tokens=norm is not None and norm.over == "token", num_warps=num_warps)
+        whole_tokens=norm is not None and norm.over == "token")
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
+    if norm is not None:
+        num_warps = _norm_warps(rule, tile, backward)
     token_blocks, head_programs = grid
-    norm_backward = norm is not None and backward
     if norm_backward:
-        token_blocks = norm_programs(token_blocks, head_programs, t.device, rule)
+        token_blocks = norm_programs(token_blocks, head_programs, t.device, rule, num_warps)
     grid, flat_grid = _program_grid(token_blocks, head_programs)
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=backward,
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
@@ -1131,13 +1154,12 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
     rule = launch_rule()
-    tile_bytes, num_warps = rule.qkv_tile_bytes, None
-    if q_norm is not None:
-        tile_bytes, num_warps = _norm_tile(rule, tile_bytes, grads is not None)
     grid, tile = launch_config(
         shape._replace(nheads=kv_heads * q_per_kv), qkv.device, copy_pass=True,
-        element_size=qkv.element_size(), tile_bytes=tile_bytes, rule=rule, num_warps=num_warps)
+        element_size=qkv.element_size(), tile_bytes=rule.qkv_tile_bytes, rule=rule)
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
+    if q_norm is not None:
+        num_warps = _norm_warps(rule, tile, grads is not None)
     row = 2 * tile["BLOCK_HALF"] + tile["BLOCK_PASS"]
     block_v = triton.next_power_of_2(v_dim)
     block_kv = min(tile["BLOCK_H"], triton.next_power_of_2(kv_heads))
@@ -1148,7 +1170,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     token_blocks = grid[0]
     norm_backward = q_norm is not None and grads is not None
     if norm_backward:
-        token_blocks = norm_programs(token_blocks, q_programs + k_programs, qkv.device, rule)
+        token_blocks = norm_programs(token_blocks, q_programs + k_programs, qkv.device, rule,
+                                     num_warps)
     grid, flat_grid = _program_grid(token_blocks, q_programs + k_programs, "qkv")
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=grads is not None,
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
