@@ -83,7 +83,7 @@ NORM_ONE_HEAD_WARPS = 4
 # angles), 2.04 -> 1.89 / 2.58 -> 2.25 (TE's table); Qwen3-8B's query and key heads at
 # tensor parallelism 8, 64K tokens, exact angles, 4 heads 1.89 -> 1.72 / 2.64 -> 1.75, 1 head
 # 2.64 -> 2.45 / 3.48 -> 3.25; two heads of d 64 2.58 -> 2.18 (H100). Slower at one point:
-# 32 heads, packed thd with positions, H200, 1.62 -> 1.68. Tiles of 8 rows were 1.6-2.5x
+# 32 heads, packed thd with positions, H200, 1.62 -> 1.68. Tiles of 8 rows were 1.5-2.5x
 # slower with exact angles (Gemma 3's d 256 in 4 KiB, d 128 in 2 KiB).
 NORM_BACKWARD_ROWS = 16
 NORM_BACKWARD_THREAD_ELEMENTS = 16
@@ -109,8 +109,8 @@ QKV_NORM_PIPELINE_STAGES = 0
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
-# gives each thread a whole tile (one warp), so INTERPRETER_NORM_PROGRAMS warps per "SM" are
-# as many programs.
+# gives each thread INTERPRETER_TILE_BYTES elements, more than a tile holds, so every tile is
+# one warp and INTERPRETER_NORM_PROGRAMS warps per "SM" are as many programs.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
 INTERPRETER_NORM_ROWS = 1024
