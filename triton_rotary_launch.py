@@ -939,12 +939,12 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     is_thd = tensor_format == "thd"
     rule = launch_rule()
     searches = is_thd and positions is None          # tiles search cu_seqlens
+    # A norm covers every channel: a row of its tile is the whole head, and the channels past
+    # rotary_dim are written in place too.
     tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
     norm_backward = norm is not None and backward
     if norm_backward:
-        # A norm covers every channel, so a row is the whole head.
         tile_bytes = rule.norm_backward_rows * shape.head_dim * t.element_size()
-    # A norm covers every channel, so the channels past rotary_dim are written in place too.
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
         element_size=t.element_size(), tile_bytes=tile_bytes, rule=rule,
