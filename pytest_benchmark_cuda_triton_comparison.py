@@ -100,6 +100,7 @@ from triton_rotary_main import (
     apply_fused_qkv_rotary_pos_emb,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_inplace,
+    token_positions,
 )
 
 # =================================================================================================
@@ -665,7 +666,7 @@ def test_qk_norm_pipelined_backward_matches_the_plain_loop():
     """The backward of a norm, its token loop software-pipelined (rule.norm_pipeline_stages,
     rule.qkv_norm_pipeline_stages for fused QKV), gives the same bits as the plain loop,
     dL/dweight included, with several token blocks per program; it is planned for angles from
-    positions only, not from a table or where thd tiles search cu_seqlens."""
+    positions only, not from a table."""
     L = triton_rotary_launch
     torch.manual_seed(63)
     module = RotaryPositionEmbedding(16, device=DEVICE)
@@ -694,6 +695,7 @@ def test_qk_norm_pipelined_backward_matches_the_plain_loop():
         return out
 
     small = L.launch_rule()._replace(tile_bytes=128, qkv_tile_bytes=256, norm_backward_rows=2,
+                                     norm_table_backward_rows=2,
                                      search_tile_bytes=128, min_programs_per_sm=0,
                                      norm_backward_warps_per_sm=1)
     results, stages = [], []
@@ -707,9 +709,58 @@ def test_qk_norm_pipelined_backward_matches_the_plain_loop():
     for name in results[0]:
         for plain, pipelined in zip(results[0][name], results[1][name]):
             assert torch.equal(plain, pipelined), name
-    # Backward plans: bshd, sbhd (token), thd with positions and fused QKV pipelined; the table
-    # and the cu_seqlens search not.
-    assert stages == [[0] * 6, [0, 0, 3, 3, 3, 3]], stages
+    # Backward plans: bshd, sbhd (token), thd with positions, thd with cu_seqlens (positions
+    # from the pre-pass) and fused QKV pipelined; the table not.
+    assert stages == [[0] * 6, [0, 3, 3, 3, 3, 3]], stages
+
+
+THD_PREPASS_CASES = {
+    # tokens before cu_seqlens[0] and from cu_seqlens[-1] on, an empty sequence, start positions
+    "outside_and_start": (12, dict(cu_seqlens=[2, 5, 5, 9], start_positions=[3, 0, 7])),
+    # context parallelism: rank 1 of 2 holds a quarter of each sequence from each half
+    "cp": (10, dict(cu_seqlens=[0, 8, 20], cp_size=2, cp_rank=1)),
+    # 40 sequences of 1-2 tokens: a tile crosses more sequence ends than it scans, so each
+    # token searches on its own (`_tile_sequences`)
+    "short": (60, dict(cu_seqlens=[0] + list(itertools.accumulate([1, 2] * 20)))),
+}
+
+
+@pytest.mark.parametrize("name", THD_PREPASS_CASES)
+def test_thd_norm_backward_reads_positions_from_a_pre_pass(name):
+    """A thd norm backward that would search cu_seqlens takes its tokens' positions from
+    sequence_positions_kernel: for every token, the position token_positions (PyTorch) gives,
+    or OUTSIDE_SEQUENCES outside every sequence. The backward's plan reads them
+    (SEQUENCE_POSITIONS) and its gradients match the unfused formula's."""
+    L, K = triton_rotary_launch, triton_rotary_kernel
+    tokens, kwargs = THD_PREPASS_CASES[name]
+    kwargs = {key: int_tensor(v) if isinstance(v, list) else v for key, v in kwargs.items()}
+    torch.manual_seed(64)
+    t = torch.randn(tokens, 3, 16, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    weight = torch.randn(16, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    module = RotaryPositionEmbedding(12, device=DEVICE)
+    cp_size, cp_rank = kwargs.get("cp_size", 1), kwargs.get("cp_rank", 0)
+    shape = L.check_rope_args(t, module, "thd", kwargs.get("start_positions"), kwargs["cu_seqlens"],
+                              cp_size, cp_rank)
+    launch = L._sequence_positions_launch(shape, "start_positions" in kwargs)
+    found = torch.full((tokens,), 7, dtype=torch.int64, device=DEVICE)
+    launch((None, (0, 0, 0), kwargs.get("start_positions"), kwargs["cu_seqlens"]), found,
+           shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank)
+    pos, in_seq = token_positions(shape, "thd", kwargs.get("start_positions"), kwargs["cu_seqlens"],
+                                  cp_size, cp_rank, device=DEVICE)
+    assert not in_seq.all() or name != "outside_and_start"
+    assert torch.equal(found, torch.where(in_seq, pos, K.OUTSIDE_SEQUENCES.value)), (found, pos, in_seq)
+
+    grad = torch.randn_like(t)
+    L._PLANS.clear()
+    fused = torch.autograd.grad(apply_rotary_pos_emb(t, module, "thd", norm_weight=weight, **kwargs),
+                                (t, weight), grad)
+    unfused = torch.autograd.grad(
+        apply_rotary_pos_emb(t, module, "thd", norm_weight=weight, fused=False, **kwargs), (t, weight), grad)
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)    # float32 inv_freq's angles
+    backward = [p for p in L._PLANS.values() if p.launch.cfg.BACKWARD]
+    assert len(backward) == 1 and backward[0].positions_pass is not None
+    assert backward[0].launch.cfg.POSITIONS_FROM == K.SEQUENCE_POSITIONS.value
 
 
 def test_qk_norm_weight_gradient_is_deterministic_and_double_backward_raises():
@@ -2887,9 +2938,10 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
         for call in _planned_calls():
             call()
     kinds = {kind for kind, _ in records.values()}
-    # The RoPE kernels with and without a norm, forward and backward, pipelined or not, and the
-    # second pass of the norm's weight gradient.
-    assert len(kinds) == 13, sorted(kinds)
+    # The RoPE kernels with and without a norm, forward and backward, pipelined or not, the
+    # second pass of the norm's weight gradient and the thd positions pre-pass.
+    assert len(kinds) == 14, sorted(kinds)
+    assert ("sequence_positions_kernel", None, None, False) in kinds, sorted(kinds)
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([entry for _, entry in records.values()]))
     results = _run_probe("--launches", str(path))
@@ -2964,24 +3016,27 @@ def test_plan_cache_keeps_validation():
 def test_norm_calls_take_the_norms_tiles_and_warps():
     """A QK-norm forward takes the plain tile in rule.norm_warps warps, in
     rule.norm_one_head_warps where its tile holds one head. Its backward takes tiles of
-    rule.norm_backward_rows rows (the fused QKV: its own tile), in as many warps as give each
-    thread rule.norm_backward_thread_elements elements, and rule.norm_backward_warps_per_sm
-    warps per SM along the tokens. A call without a norm keeps rule.num_warps."""
+    rule.norm_backward_rows rows (angles from a table: rule.norm_table_backward_rows; the
+    fused QKV: its own tile), in as many warps as give each thread
+    rule.norm_backward_thread_elements elements, and rule.norm_backward_warps_per_sm warps per
+    SM along the tokens. A call without a norm keeps rule.num_warps."""
     L = triton_rotary_launch
-    freqs = RotaryPositionEmbedding(16, device=DEVICE)(64)
-    inputs = {"4 heads": torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True),
-              "1 head": torch.randn(64, 2, 1, 16, device=DEVICE, requires_grad=True)}
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    x = torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True)
+    inputs = {"4 heads": (x, module),
+              "1 head": (torch.randn(64, 2, 1, 16, device=DEVICE, requires_grad=True), module),
+              "table": (x, module(64))}
     qkv = torch.randn(64, 2, 2, 64, device=DEVICE, requires_grad=True)
     weight = torch.randn(16, device=DEVICE, requires_grad=True)
     # 256 bytes hold 4 rows of 16 float32 channels; 16 rows hold 256 elements, 2 warps of 4
     # each; 8 warps per SM are 4 programs of 2 warps.
     rule = L.launch_rule()._replace(tile_bytes=256, qkv_tile_bytes=256, num_warps=4, norm_warps=1,
                                     norm_one_head_warps=8, norm_backward_rows=16,
-                                    norm_backward_thread_elements=4,
+                                    norm_table_backward_rows=8, norm_backward_thread_elements=4,
                                     norm_backward_warps_per_sm=8, min_programs_per_sm=0)
     found = {}
     with L.use_launch_rule(rule):
-        for name, t in inputs.items():
+        for name, (t, freqs) in inputs.items():
             L._PLANS.clear()
             apply_rotary_pos_emb(t, freqs, norm_weight=weight).sum().backward()
             with torch.no_grad():
@@ -2993,7 +3048,7 @@ def test_norm_calls_take_the_norms_tiles_and_warps():
                 found[key] = (launch.num_warps, launch.cfg.BLOCK_T, launch.cfg.BLOCK_H,
                               launch.grid[0])
         L._PLANS.clear()
-        apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], q_norm_weight=weight,
+        apply_fused_qkv_rotary_pos_emb(qkv, module, module, [32, 16, 16], q_norm_weight=weight,
                                        k_norm_weight=weight)[0].sum().backward()
         for plan in L._PLANS.values():
             launch = plan.launch
@@ -3001,11 +3056,15 @@ def test_norm_calls_take_the_norms_tiles_and_warps():
                 launch.num_warps, launch.cfg.BLOCK_T, launch.cfg.BLOCK_H)
     sms = L._sm_count(torch.device(DEVICE))
     # 128 tokens; forward tiles of 4 rows, backward tiles of 16 rows (the tokens split into
-    # 32 blocks of 4 tokens x 4 heads, or 8 blocks of 16 tokens x 1 head), 4 programs per SM.
+    # 32 blocks of 4 tokens x 4 heads, or 8 blocks of 16 tokens x 1 head), 4 programs per SM;
+    # from the table, 8 rows (64 blocks of 2 tokens x 4 heads) in 1 warp, 8 programs per SM.
     assert found == {
         ("4 heads", "norm", "forward"): (1, 1, 4, 128),
         ("4 heads", "norm", "backward"): (2, 4, 4, min(32, 4 * sms)),
         ("4 heads", "plain", "forward"): (4, 1, 4, 128),
+        ("table", "norm", "forward"): (1, 1, 4, 128),
+        ("table", "norm", "backward"): (1, 2, 4, min(64, 8 * sms)),
+        ("table", "plain", "forward"): (4, 1, 4, 128),
         ("1 head", "norm", "forward"): (8, 4, 1, 32),
         ("1 head", "norm", "backward"): (2, 16, 1, min(8, 4 * sms)),
         ("1 head", "plain", "forward"): (4, 4, 1, 32),

@@ -46,6 +46,8 @@ RULES = {
     # 8 KiB in 8 warps at d 128 (bf16), two programs per SM: the rule before rows and warps
     # followed the head dim
     "bwd_32_rows": G._replace(norm_backward_rows=32),
+    "bwd_table_4_rows": G._replace(norm_table_backward_rows=4),
+    "bwd_table_16_rows": G._replace(norm_table_backward_rows=16),
     "bwd_8_elements": G._replace(norm_backward_thread_elements=8),
     "bwd_32_warps_per_sm": G._replace(norm_backward_warps_per_sm=32),
     "bwd_unpipelined": G._replace(norm_pipeline_stages=0),
@@ -54,8 +56,8 @@ RULES = {
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
     "qkv_bwd_pipelined": G._replace(qkv_norm_pipeline_stages=3),
 }
-ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_8_rows", "bwd_32_rows",
-              "bwd_8_elements", "bwd_32_warps_per_sm")
+ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
+              "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
 EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_8_rows",
                "bwd_32_rows", "bwd_32_warps_per_sm")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")

@@ -72,6 +72,10 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 IMPLICIT_POSITIONS = tl.constexpr(0)     # index in the sequence: start_positions, thd, CP
 POSITIONS_TENSOR = tl.constexpr(1)       # one position per token, from `positions`
 AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis chosen per pair
+SEQUENCE_POSITIONS = tl.constexpr(3)     # thd: implicit positions that sequence_positions_kernel
+                                         # stored, OUTSIDE_SEQUENCES for tokens in none
+# No position a call can give (|position| < 2^24 for exact angles, a table row otherwise).
+OUTSIDE_SEQUENCES = tl.constexpr(-(2**62))
 
 # Which RMSNorm comes before the rotation (Variant.NORM).
 NO_NORM = tl.constexpr(0)
@@ -264,6 +268,32 @@ def _typed_norm(norm):
 @triton.jit
 def _typed_view(view):
     return View(view.ptr, view.strides)
+
+
+class PositionsTile(NamedTuple):
+    """The compile-time choices of sequence_positions_kernel (its `cfg`), as Variant names
+    them."""
+    BLOCK_T: int
+    HAS_START: bool
+    SEARCH_LEVELS: int
+    IS_THD: bool = True
+
+
+@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
+def sequence_positions_kernel(positions, out, num_tokens, seq_len, batch, cp_size, cp_rank,
+                              cfg: tl.constexpr):
+    """The implicit position of each thd token (`_implicit_positions`: its index in its
+    sequence of cu_seqlens, moved by context parallelism and start_positions) into out (int64
+    [num_tokens]), OUTSIDE_SEQUENCES for a token in no sequence: a pre-pass that lets a
+    rotary_kernel launch read positions (SEQUENCE_POSITIONS) instead of searching cu_seqlens
+    in every tile. A program does BLOCK_T tokens."""
+    first_tok = tl.program_id(0) * cfg.BLOCK_T
+    tok = first_tok + tl.arange(0, cfg.BLOCK_T)
+    tok_ok = tok < num_tokens
+    tok = tl.minimum(tok, num_tokens - 1)
+    tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
+    in_seq, pos = _implicit_positions(positions, tok, first_tok, tok, tok * 0, tokens, cfg)
+    tl.store(out + tok, tl.where(in_seq, pos, OUTSIDE_SEQUENCES), mask=tok_ok)
 
 
 class WeightGradientTile(NamedTuple):
@@ -728,6 +758,8 @@ def _positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, cfg: tl.co
             pos = offset
         else:
             pos = tl.load(positions.positions + offset).to(tl.int64)
+            if cfg.POSITIONS_FROM == SEQUENCE_POSITIONS:
+                in_seq = pos != OUTSIDE_SEQUENCES
     else:
         in_seq, pos = _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens,
                                           cfg)

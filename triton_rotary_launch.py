@@ -24,11 +24,13 @@ from triton_rotary_kernel import (
     NORM_OVER_TOKEN,
     POSITIONS_TENSOR,
     SEARCH_FAN,
+    SEQUENCE_POSITIONS,
     Angles,
     HeadShape,
     InOut,
     Norm,
     Positions,
+    PositionsTile,
     QKVShape,
     Tokens,
     Variant,
@@ -36,6 +38,7 @@ from triton_rotary_kernel import (
     WeightGradientTile,
     rotary_kernel,
     rotary_qkv_kernel,
+    sequence_positions_kernel,
     weight_gradient_kernel,
 )
 
@@ -86,9 +89,24 @@ NORM_ONE_HEAD_WARPS = 4
 # 32 heads, packed thd with positions, H200, 1.62 -> 1.68. Tiles of 8 rows were 1.5-2.5x
 # slower with exact angles (Gemma 3's d 256 in 4 KiB, d 128 in 2 KiB).
 NORM_BACKWARD_ROWS = 16
+# Angles from a table keep their loop unpipelined (NORM_PIPELINE_STAGES) and read their angles
+# from the table, not from sin/cos each thread works out: there tiles of half the rows are
+# faster. Kernels alone, q and k at 16K tokens, bf16 (rope_qknorm_rules.py, artifacts/qknorm/
+# rules_*), in copies of q and k, H100 / H200, 8 rows against 16: Qwen3-8B 1.69 / 1.96 against
+# 1.72 / 2.03, its TP-8 rank 2.36 / 2.82 against 2.46 / 2.98, Gemma 3 1.76 / 2.07 against 1.88 /
+# 2.26, OLMo 2 (a token per tile either way) the same; 4 rows were faster at TP 8 alone.
+NORM_TABLE_BACKWARD_ROWS = 8
 NORM_BACKWARD_THREAD_ELEMENTS = 16
 NORM_BACKWARD_MAX_WARPS = 8
 NORM_BACKWARD_WARPS_PER_SM = 16
+# thd calls that search cu_seqlens: the backward of a norm reads its tokens' positions from a
+# pre-pass (sequence_positions_kernel, SEQUENCE_POSITIONS_BLOCK tokens per program in
+# NUM_WARPS warps) instead of searching in every tile of its token loop, which lets that loop
+# be pipelined. 14 packed sequences of lognormal lengths, 16K tokens, Qwen3-8B's q and k, bf16,
+# exact angles, through autograd (rope_qknorm_bench.py): forward + backward 252 -> 231 us on
+# the H200 (3.02 -> 2.74 copies), 313 -> 312 us on the H100. The query's backward kernel alone
+# (32 heads): 1.89 -> 1.68 copies (H200), 1.64 either way (H100).
+SEQUENCE_POSITIONS_BLOCK = 256
 # That backward's token loop is software-pipelined this many stages deep where its angles come
 # from positions: the next tiles' loads go to shared memory while a tile is worked on. Kernels
 # alone, q and k at 16K tokens, bf16, exact angles (rope_qknorm_rules.py, artifacts/qknorm/
@@ -127,6 +145,7 @@ class LaunchRule(NamedTuple):
     norm_warps: int
     norm_one_head_warps: int
     norm_backward_rows: int
+    norm_table_backward_rows: int
     norm_backward_thread_elements: int
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
@@ -134,12 +153,12 @@ class LaunchRule(NamedTuple):
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
-                      NORM_WARPS, NORM_ONE_HEAD_WARPS, NORM_BACKWARD_ROWS,
+                      NORM_WARPS, NORM_ONE_HEAD_WARPS, NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QKV_NORM_PIPELINE_STAGES)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
-                              NUM_WARPS, NUM_WARPS, INTERPRETER_NORM_ROWS,
+                              NUM_WARPS, NUM_WARPS, INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0)
 _RULE_OVERRIDE = [None]
 
@@ -813,6 +832,7 @@ class _RopePlan(NamedTuple):
     tokens: Tokens = None
     norm_input_strides: tuple = ()   # backward of a norm: of the forward's input
     weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
+    positions_pass: object = None    # thd backward of a norm: sequence_positions_kernel's launch
 
 
 class _QKVPlan(NamedTuple):
@@ -943,8 +963,14 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     # rotary_dim are written in place too.
     tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
     norm_backward = norm is not None and backward
+    positions_pass = None
+    if norm_backward and searches:       # positions from a pre-pass (SEQUENCE_POSITIONS_BLOCK)
+        positions_pass = _sequence_positions_launch(shape, start_positions is not None)
+        searches = False
     if norm_backward:
-        tile_bytes = rule.norm_backward_rows * shape.head_dim * t.element_size()
+        rows = (rule.norm_backward_rows if source.from_positions
+                else rule.norm_table_backward_rows)
+        tile_bytes = rows * shape.head_dim * t.element_size()
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
         element_size=t.element_size(), tile_bytes=tile_bytes, rule=rule,
@@ -959,7 +985,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=backward,
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
                   WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
-                  POSITIONS_FROM=_positions_mode(source, positions), FLAT_GRID=flat_grid,
+                  POSITIONS_FROM=(SEQUENCE_POSITIONS.value if positions_pass else
+                                  _positions_mode(source, positions)),
+                  FLAT_GRID=flat_grid,
                   IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0,
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
@@ -969,12 +997,24 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                 num_warps),
         x_strides=x_strides, out_strides=out_strides,
         table=_table_layout(source),
-        position_strides=_position_strides(positions, source, tensor_format),
+        position_strides=((0, 1, 0) if positions_pass else
+                          _position_strides(positions, source, tensor_format)),
         shape=(shape.nheads, shape.head_dim, shape.rotary_dim),
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank),
         norm_input_strides=_token_strides(norm_input, tensor_format) if norm_backward else (),
         weight_gradient=_weight_gradient_plan(token_blocks * head_programs, norm.weight.numel())
-        if norm_backward else None)
+        if norm_backward else None,
+        positions_pass=positions_pass)
+
+
+def _sequence_positions_launch(shape, has_start):
+    """The launch of sequence_positions_kernel for a thd call (SEQUENCE_POSITIONS_BLOCK says
+    why)."""
+    block = min(SEQUENCE_POSITIONS_BLOCK, triton.next_power_of_2(shape.num_tokens))
+    cfg = PositionsTile(BLOCK_T=block, HAS_START=has_start,
+                        SEARCH_LEVELS=_search_levels(shape.batch))
+    return _Launch(sequence_positions_kernel, (Positions,),
+                   (triton.cdiv(shape.num_tokens, block), 1), cfg, NUM_WARPS)
 
 
 def _index_tensor(x):
@@ -1033,6 +1073,11 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
             partial = _partial_sums(plan.weight_gradient, t)
             norm_input = (norm_input, plan.norm_input_strides)
         norm_group = _norm_group(norm, norm_input, partial)
+        if plan.positions_pass is not None:
+            positions = torch.empty(plan.tokens.num_tokens, dtype=torch.int64, device=t.device)
+            plan.positions_pass((None, (0, 0, 0), start_positions, cu_seqlens), positions,
+                                *plan.tokens)
+            start_positions = cu_seqlens = None
     if plan.launch is not None:
         # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(
