@@ -52,7 +52,7 @@ loops over its share of the token blocks and writes one row of partial sums, whi
 kernel, `weight_gradient_kernel`, adds up in one fixed order.
 
 Reading order: the argument groups (View, Angles, Positions, the shapes, Norm, Variant), the
-three kernels, `_rope_tile` (one tile: loads, norm, angles, rotation, stores), the norm's
+kernels, `_rope_tile` (one tile: loads, norm, angles, rotation, stores), the norm's
 arithmetic (`_rms_norm`, `_rms_norm_backward`), the tokens' positions
 (`_positions`, the thd search of cu_seqlens), the angles (`_tile_angles`, from a table or
 from positions), and last the arithmetic: fma, sin and cos.
