@@ -74,7 +74,7 @@ POSITIONS_TENSOR = tl.constexpr(1)       # one position per token, from `positio
 AXIS_POSITIONS_TENSOR = tl.constexpr(2)  # M-RoPE: positions[axis, token], axis chosen per pair
 SEQUENCE_POSITIONS = tl.constexpr(3)     # thd: implicit positions that sequence_positions_kernel
                                          # stored, OUTSIDE_SEQUENCES for tokens in none
-# No position a call can give (|position| < 2^24 for exact angles, a table row otherwise).
+# Far outside what any position rotates by (a table's rows, the exact angles' |position| < 2^24).
 OUTSIDE_SEQUENCES = tl.constexpr(-(2**62))
 
 # Which RMSNorm comes before the rotation (Variant.NORM).
