@@ -982,13 +982,17 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     if norm_backward:
         token_blocks = norm_programs(token_blocks, head_programs, t.device, rule, num_warps)
     grid, flat_grid = _program_grid(token_blocks, head_programs)
+    # Read positions leave start_positions and the search to the pre-pass: a Variant without
+    # them compiles once whatever the number of sequences.
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=backward,
-                  SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
+                  SEQ_MAJOR=tensor_format == "sbhd",
+                  HAS_START=start_positions is not None and positions_pass is None,
                   WIDE_INNER=widest > _INT32_MAX, ANGLES_FROM_POSITIONS=source.from_positions,
                   POSITIONS_FROM=(SEQUENCE_POSITIONS.value if positions_pass else
                                   _positions_mode(source, positions)),
-                  FLAT_GRID=flat_grid,
-                  IS_THD=is_thd, SEARCH_LEVELS=_search_levels(shape.batch) if is_thd else 0,
+                  FLAT_GRID=flat_grid, IS_THD=is_thd,
+                  SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
+                                 else 0),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
                                                    norm_backward, searches))
