@@ -140,6 +140,14 @@ class QKVShape(NamedTuple):
     q_programs: int    # head programs of a token block that rotate query heads
 
 
+class QKShape(NamedTuple):
+    q_heads: int
+    k_heads: int
+    head_dim: int      # d, of q and k
+    rotary_dim: int
+    head_programs: int  # programs of a token block, each BLOCK_H query and BLOCK_KV key heads
+
+
 class Tokens(NamedTuple):
     """The token layout, built in the kernel from its unspecialized parameters."""
     num_tokens: int    # rows of [h, d]
@@ -175,11 +183,33 @@ class Variant(NamedTuple):
     FLAT_GRID: bool             # head and token blocks share grid axis 0 (launcher: _program_grid)
     IS_THD: bool = False        # tokens [t, h, d]; sequences from cu_seqlens or positions
     SEARCH_LEVELS: int = 0      # thd: steps of the search over cu_seqlens (launcher: _search_levels)
-    BLOCK_KV: int = 0           # fused QKV: key (and value) heads per program
+    BLOCK_KV: int = 0           # fused QKV, q and k together: key (and value) heads per program
     BLOCK_V: int = 0            # fused QKV: power of two >= v_dim
     INVERSE: bool = False       # rotate by the negated angles (see the module docstring)
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
     PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
+
+
+class TileInputs(NamedTuple):
+    """What a tile loaded (`_tile_inputs`), for its rotation and stores (`_rotate_and_store`):
+    in the compute dtype, [T, H, K]; 0 in place of what the Variant does without."""
+    x1: object         # the pairs' members (the forward's normalized and weighted, with a norm)
+    x2: object
+    x_pass: object     # the channels past rotary_dim (with a norm, or BLOCK_PASS > 0)
+    n1: object         # the backward of a norm: the norm's input, the same channels
+    n2: object
+    n_pass: object
+    w1: object         # with a norm: its weights plus offset, broadcast against the channels
+    w2: object
+    w_pass: object
+    width: object      # with a norm: the channels it covers (`_norm_width`)
+    mask: object       # the pairs' lanes that are real
+    mask_p: object     # the pass channels' lanes that are real
+    offs: object       # the pairs' channels (`_pair_channels`)
+    offs_p: object     # the pass channels (`_pass_channels`)
+    out_base: object   # pointers [T, H, 1] to channel 0 of each output row
+    out_dim: object    # the output's channel stride
+    half: object       # rotary_dim // 2
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -246,6 +276,38 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
         else:
             _kv_tile(tok_block, k.src, k.dst, v, k_heads, k_shape, shape.v_dim, tokens, k_angles,
                      positions, k_norm, cfg)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
+def rotary_qk_kernel(q, k, angles, positions, shape, q_norm, k_norm, num_tokens, seq_len, batch,
+                     cp_size, cp_rank, cfg: tl.constexpr):
+    """RoPE of q and k (InOuts) by the same angles, in one launch; `shape` a QKShape, q_norm
+    and k_norm their norms (Norm, or None). A program takes BLOCK_H query heads and BLOCK_KV
+    key heads of a token block and works their angles out once for both
+    (`_rope_pair_tile`): a token's key heads are few (one per 4-8 query heads under GQA, a
+    single one per rank under tensor parallelism), and a tile of key heads alone would work
+    out as many angles as it rotates pairs. The backward of a norm takes every
+    token_programs-th such tile from its own on."""
+    NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
+    q, k = _typed_in_out(q), _typed_in_out(k)
+    if NORM_BACKWARD:
+        q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
+    tok_block, head_program = _program_block(shape.head_programs, cfg.FLAT_GRID)
+    q_heads = head_program * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
+    k_heads = head_program * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
+    q_shape = HeadShape(shape.q_heads, shape.head_dim, shape.rotary_dim)
+    k_shape = HeadShape(shape.k_heads, shape.head_dim, shape.rotary_dim)
+    tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
+    if NORM_BACKWARD:
+        dwq1, dwq2, dwq_pass, dwk1, dwk2, dwk_pass = _pair_norm_backward_tiles(
+            tok_block, _token_programs(shape.head_programs, cfg), q, k, q_heads, k_heads,
+            q_shape, k_shape, tokens, angles, positions, q_norm, k_norm, cfg)
+        row = tok_block * shape.head_programs + head_program
+        _store_dw(q_norm, row, q_heads, q_shape, dwq1, dwq2, dwq_pass, cfg)
+        _store_dw(k_norm, row, k_heads, k_shape, dwk1, dwk2, dwk_pass, cfg)
+    else:
+        _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles,
+                        positions, q_norm, k_norm, cfg)
 
 
 # WORKAROUND(Triton 3.5.1, the NVIDIA container 25.12's; 3.6 and later need none): a kernel's
@@ -337,19 +399,8 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     threads another way there (`_tile_angles`). Otherwise (and in the interpreter: those of
     Triton 3.5.1 and 3.6 fail on a `range` over tensor bounds) a plain `while` loop."""
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
-    offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
-    offs_p = _pass_channels(shape.rotary_dim, cfg)
-    # The sums of dL/dweight, as `_rope_tile` returns them.
-    BLOCK_H: tl.constexpr = heads.shape[0]
-    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    BLOCK_PASS: tl.constexpr = offs_p.shape[0]
-    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
-    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
-    dw_pass = tl.zeros([BLOCK_H, BLOCK_PASS], compute_dtype)
-    # Loaded once: inside the loop, the tiles' stores (which might alias the weight or the
-    # frequencies, for all the compiler knows) would have every tile load them again.
-    weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
-    freqs = None
+    dw1, dw2, dw_pass, weights = _norm_loop_start(norm, heads, shape, compute_dtype, cfg)
+    freqs = None                       # loaded once, as the weights are (`_norm_loop_start`)
     if cfg.ANGLES_FROM_POSITIONS:
         freqs = _pair_frequencies(angles, positions, shape.rotary_dim, cfg)
     num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
@@ -367,6 +418,59 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
             block += token_programs
     return dw1, dw2, dw_pass
+
+
+@triton.jit
+def _pair_norm_backward_tiles(tok_block, token_programs, q, k, q_heads, k_heads, q_shape,
+                              k_shape, tokens, angles, positions, q_norm, k_norm,
+                              cfg: tl.constexpr):
+    """`_norm_backward_tiles` over `_rope_pair_tile`'s tiles (the query's and the key's heads
+    of each token block): the query's dL/dweight sums, then the key's."""
+    compute_dtype = tl.float64 if q.src.ptr.dtype.element_ty == tl.float64 else tl.float32
+    dwq1, dwq2, dwq_pass, q_weights = _norm_loop_start(q_norm, q_heads, q_shape, compute_dtype,
+                                                       cfg)
+    dwk1, dwk2, dwk_pass, k_weights = _norm_loop_start(k_norm, k_heads, k_shape, compute_dtype,
+                                                       cfg)
+    freqs = None                       # loaded once, as the weights are (`_norm_loop_start`)
+    if cfg.ANGLES_FROM_POSITIONS:
+        freqs = _pair_frequencies(angles, positions, q_shape.rotary_dim, cfg)
+    num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
+    if cfg.PIPELINE_STAGES > 0:
+        for block in tl.range(tok_block, num_blocks, token_programs,
+                              num_stages=cfg.PIPELINE_STAGES):
+            dq1, dq2, dq_pass, dk1, dk2, dk_pass = _rope_pair_tile(
+                block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles, positions,
+                q_norm, k_norm, cfg, q_weights, k_weights, freqs)
+            dwq1, dwq2, dwq_pass = dwq1 + dq1, dwq2 + dq2, dwq_pass + dq_pass
+            dwk1, dwk2, dwk_pass = dwk1 + dk1, dwk2 + dk2, dwk_pass + dk_pass
+    else:
+        block = tok_block
+        while block < num_blocks:
+            dq1, dq2, dq_pass, dk1, dk2, dk_pass = _rope_pair_tile(
+                block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles, positions,
+                q_norm, k_norm, cfg, q_weights, k_weights, freqs)
+            dwq1, dwq2, dwq_pass = dwq1 + dq1, dwq2 + dq2, dwq_pass + dq_pass
+            dwk1, dwk2, dwk_pass = dwk1 + dk1, dwk2 + dk2, dwk_pass + dk_pass
+            block += token_programs
+    return dwq1, dwq2, dwq_pass, dwk1, dwk2, dwk_pass
+
+
+@triton.jit
+def _norm_loop_start(norm, heads, shape, compute_dtype: tl.constexpr, cfg: tl.constexpr):
+    """(dw1, dw2, dw_pass, weights): a norm backward's sums of dL/dweight at zero, shaped as
+    `_rope_tile` returns them, and the norm's weights (`_norm_weight`), loaded once before
+    the token loop: inside it, the tiles' stores (which might alias the weight, for all the
+    compiler knows) would have every tile load them again (the frequencies too)."""
+    offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
+    offs_p = _pass_channels(shape.rotary_dim, cfg)
+    BLOCK_H: tl.constexpr = heads.shape[0]
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    BLOCK_PASS: tl.constexpr = offs_p.shape[0]
+    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw_pass = tl.zeros([BLOCK_H, BLOCK_PASS], compute_dtype)
+    weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
+    return dw1, dw2, dw_pass, weights
 
 
 @triton.jit
@@ -425,11 +529,11 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
                cfg: tl.constexpr, weights=None, freqs=None):
     """Rotate one tile: the program's BLOCK_T tokens times the given heads.
 
-    All loads of the tile are issued first, and positions and cos/sin are worked out while
-    they are in flight: RoPE is a copy with a little arithmetic, so its speed is how well
-    the load latency is hidden. Head j of a view with 4 strides sits at j * stride_head;
-    with 5 (the query heads of packed QKV) at (j // heads_per_group) * stride_group +
-    (j % heads_per_group) * stride_head.
+    All loads of the tile are issued first (`_tile_inputs`), and positions and cos/sin are
+    worked out while they are in flight (`_tile_rotation`): RoPE is a copy with a little
+    arithmetic, so its speed is how well the load latency is hidden. Head j of a view with 4
+    strides sits at j * stride_head; with 5 (the query heads of packed QKV) at
+    (j // heads_per_group) * stride_group + (j % heads_per_group) * stride_head.
 
     With a norm (`cfg.NORM`), the forward normalizes x before rotating it; the backward
     rotates the gradient x back, then takes it through the norm's transpose, reading the
@@ -439,14 +543,45 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of a norm.
     """
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
+    inputs = _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx,
+                          norm, weights, cfg)
+    BLOCK_H: tl.constexpr = heads.shape[0]
+    rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
+                              shape.rotary_dim, freqs, inputs.x1.dtype, BLOCK_H > 1, cfg)
+    return _rotate_and_store(inputs, rotation, norm, cfg)
+
+
+@triton.jit
+def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles,
+                    positions, q_norm, k_norm, cfg: tl.constexpr, q_weights=None, k_weights=None,
+                    freqs=None):
+    """`_rope_tile` for a tile of query heads and one of key heads (q and k InOuts) of the same
+    tokens, both loaded before the angles, which are worked out once for the two. Returns
+    the query's dL/dweight and the key's, one after the other."""
+    tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
+    q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok_ok, seq_idx, batch_idx,
+                            q_norm, q_weights, cfg)
+    k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok_ok, seq_idx, batch_idx,
+                            k_norm, k_weights, cfg)
+    rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
+                              q_shape.rotary_dim, freqs, q_inputs.x1.dtype, True, cfg)
+    dwq1, dwq2, dwq_pass = _rotate_and_store(q_inputs, rotation, q_norm, cfg)
+    dwk1, dwk2, dwk_pass = _rotate_and_store(k_inputs, rotation, k_norm, cfg)
+    return dwq1, dwq2, dwq_pass, dwk1, dwk2, dwk_pass
+
+
+@triton.jit
+def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx, norm,
+                 weights, cfg: tl.constexpr):
+    """A tile's loads, and the forward's norm: a TileInputs."""
     mask_th = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]      # [T, H, 1]
     if cfg.WIDE_INNER:
         heads = heads.to(tl.int64)
     x_base = _tile_base(x, seq_idx, batch_idx, _head_offsets(x, heads, heads_per_group))
     out_base = _tile_base(out, seq_idx, batch_idx, _head_offsets(out, heads, heads_per_group))
-    x_dim, out_dim = x.strides[-1], out.strides[-1]
+    x_dim = x.strides[-1]
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
-    BLOCK_T: tl.constexpr = cfg.BLOCK_T
+    BLOCK_T: tl.constexpr = tok_ok.shape[0]
     BLOCK_H: tl.constexpr = heads.shape[0]
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
 
@@ -459,6 +594,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     if cfg.WIDE_INNER:
         offs = offs.to(tl.int64)
     x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, compute_dtype, cfg)
+    x_pass, offs_p, mask_p = 0, 0, 0
     if cfg.BLOCK_PASS > 0:
         # Channels rotary_dim..head_dim are copied through (normalized, with a norm).
         offs_p = _pass_channels(rotary_dim, cfg)
@@ -475,6 +611,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         offs_p = _pass_channels(rotary_dim, cfg)
         mask_p = mask_th & (offs_p < rotary_dim)[None, None, :]
         x_pass = tl.zeros([BLOCK_T, BLOCK_H, 1], compute_dtype)
+    n1, n2, n_pass = 0, 0, 0
     if NORM_BACKWARD:
         # The norm's input, loaded with the tile so that its loads are in flight together.
         n_base = _tile_base(norm.x, seq_idx, batch_idx,
@@ -483,6 +620,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         n1, n2 = _load_pairs(n_base, n_dim, offs, half, mask, compute_dtype, cfg)
         n_pass = tl.load(n_base + offs_p[None, None, :] * n_dim, mask=mask_p,
                          other=0.0).to(compute_dtype)
+    w1, w2, w_pass, width = 0, 0, 0, 0
     if cfg.NORM != NO_NORM:
         if weights is None:
             w1, w2, w_pass = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p,
@@ -494,7 +632,16 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
             x_pass = x_pass.to(compute_dtype)
             rstd = _rstd(x1, x2, x_pass, width, norm.eps, cfg)
             x1, x2, x_pass = x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
+    return TileInputs(x1, x2, x_pass, n1, n2, n_pass, w1, w2, w_pass, width, mask, mask_p, offs,
+                      offs_p, out_base, out.strides[-1], half)
 
+
+@triton.jit
+def _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens, rotary_dim,
+                   freqs, compute_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
+    """(in_seq, cos1, cos2, sin_a, sin_b) of a tile's tokens, cos and sin [T, 1, K] as the
+    rotation takes them (`_rotate_and_store`), after its loads are issued; SHARED as
+    `_tile_angles` has it."""
     if cfg.IS_THD and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS:
         # ptxas issues the loads of the search for the tokens' sequences (a chain of
         # dependent loads) first and the tile's loads only after the whole chain. The
@@ -504,8 +651,8 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     # Positions and cos/sin depend on the token (and pair) only: worked out once for the
     # tile's tokens and shared by its heads.
     in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
-        angles, positions, tok, tok_block * BLOCK_T, seq_idx, batch_idx, tokens, rotary_dim,
-        freqs, compute_dtype, BLOCK_H > 1, cfg)
+        angles, positions, tok, tok_block * cfg.BLOCK_T, seq_idx, batch_idx, tokens, rotary_dim,
+        freqs, compute_dtype, SHARED, cfg)
     cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
     # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b (the table in the module docstring).
     if cfg.BACKWARD:
@@ -514,6 +661,18 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         sin_a, sin_b = sin1[:, None, :], sin2[:, None, :]
     if cfg.BACKWARD != cfg.INVERSE:
         sin_a, sin_b = -sin_a, -sin_b
+    return in_seq, cos1, cos2, sin_a, sin_b
+
+
+@triton.jit
+def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr):
+    """The rest of a tile: the rotation (`_tile_rotation`'s) of `_tile_inputs`' pairs, the
+    backward's norm transpose, and the stores. Returns what `_rope_tile` returns."""
+    x1, x2, x_pass, mask, mask_p = inputs.x1, inputs.x2, inputs.x_pass, inputs.mask, inputs.mask_p
+    out_base, out_dim, offs = inputs.out_base, inputs.out_dim, inputs.offs
+    in_seq, cos1, cos2, sin_a, sin_b = rotation
+    compute_dtype = x1.dtype
+    NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))
@@ -525,24 +684,27 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     if NORM_BACKWARD:
         # out1, out2 and x_pass: the gradient of the normalized, weighted x.
         out1, out2, x_pass, dw1, dw2, dw_pass = _rms_norm_backward(
-            out1, out2, x_pass.to(compute_dtype), n1, n2, n_pass, w1, w2, w_pass, width,
-            norm.eps, cfg)
+            out1, out2, x_pass.to(compute_dtype), inputs.n1, inputs.n2, inputs.n_pass, inputs.w1,
+            inputs.w2, inputs.w_pass, inputs.width, norm.eps, cfg)
     else:
         dw1, dw2, dw_pass = 0, 0, 0                # nothing to return (one return statement:
                                                    # Triton types every return of a function)
 
     # `_store_pairs`' layout, written out: as a call, the same instructions come out in another
     # order for some tiles (thd backward), and the benchmarks measured this order.
-    out_ty = out.ptr.dtype.element_ty
+    out_ty = out_base.dtype.element_ty
+    BLOCK_T: tl.constexpr = x1.shape[0]
+    BLOCK_H: tl.constexpr = x1.shape[1]
     if cfg.INTERLEAVED:
         result = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * cfg.BLOCK_HALF])
         tl.store(out_base + offs[None, None, :] * out_dim, result.to(out_ty), mask=mask)
     else:
         out1_ptrs = out_base + offs[None, None, :] * out_dim
         tl.store(out1_ptrs, out1.to(out_ty), mask=mask)
-        tl.store(out1_ptrs + half * out_dim, out2.to(out_ty), mask=mask)
+        tl.store(out1_ptrs + inputs.half * out_dim, out2.to(out_ty), mask=mask)
     if cfg.BLOCK_PASS > 0:
-        tl.store(out_base + offs_p[None, None, :] * out_dim, x_pass.to(out_ty), mask=mask_p)
+        tl.store(out_base + inputs.offs_p[None, None, :] * out_dim, x_pass.to(out_ty),
+                 mask=mask_p)
     return dw1, dw2, dw_pass
 
 
