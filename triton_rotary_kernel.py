@@ -145,7 +145,7 @@ class QKShape(NamedTuple):
     k_heads: int
     head_dim: int      # d, of q and k
     rotary_dim: int
-    head_programs: int  # programs of a token block, each BLOCK_H query and BLOCK_KV key heads
+    head_programs: int  # programs per token block, each BLOCK_H query and BLOCK_KV key heads
 
 
 class Tokens(NamedTuple):
@@ -279,35 +279,21 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
-def rotary_qk_kernel(q, k, angles, positions, shape, q_norm, k_norm, num_tokens, seq_len, batch,
-                     cp_size, cp_rank, cfg: tl.constexpr):
-    """RoPE of q and k (InOuts) by the same angles, in one launch; `shape` a QKShape, q_norm
-    and k_norm their norms (Norm, or None). A program takes BLOCK_H query heads and BLOCK_KV
-    key heads of a token block and works their angles out once for both
-    (`_rope_pair_tile`): a token's key heads are few (one per 4-8 query heads under GQA, a
-    single one per rank under tensor parallelism), and a tile of key heads alone would work
-    out as many angles as it rotates pairs. The backward of a norm takes every
-    token_programs-th such tile from its own on."""
-    NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
+def rotary_qk_kernel(q, k, angles, positions, shape, num_tokens, seq_len, batch, cp_size,
+                     cp_rank, cfg: tl.constexpr):
+    """RoPE of q and k (InOuts) by the same angles, in one launch; `shape` a QKShape. A
+    program takes BLOCK_H query heads and BLOCK_KV key heads of a token block and works their
+    angles out once for both (`_rope_pair_tile`): a token's key heads are few (one per 4-8
+    query heads under GQA, one per rank under tensor parallelism), and a tile of key heads
+    alone works out about as many angles as it rotates pairs."""
     q, k = _typed_in_out(q), _typed_in_out(k)
-    if NORM_BACKWARD:
-        q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
     tok_block, head_program = _program_block(shape.head_programs, cfg.FLAT_GRID)
     q_heads = head_program * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
     k_heads = head_program * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
-    q_shape = HeadShape(shape.q_heads, shape.head_dim, shape.rotary_dim)
-    k_shape = HeadShape(shape.k_heads, shape.head_dim, shape.rotary_dim)
-    tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
-    if NORM_BACKWARD:
-        dwq1, dwq2, dwq_pass, dwk1, dwk2, dwk_pass = _pair_norm_backward_tiles(
-            tok_block, _token_programs(shape.head_programs, cfg), q, k, q_heads, k_heads,
-            q_shape, k_shape, tokens, angles, positions, q_norm, k_norm, cfg)
-        row = tok_block * shape.head_programs + head_program
-        _store_dw(q_norm, row, q_heads, q_shape, dwq1, dwq2, dwq_pass, cfg)
-        _store_dw(k_norm, row, k_heads, k_shape, dwk1, dwk2, dwk_pass, cfg)
-    else:
-        _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles,
-                        positions, q_norm, k_norm, cfg)
+    _rope_pair_tile(tok_block, q, k, q_heads, k_heads,
+                    HeadShape(shape.q_heads, shape.head_dim, shape.rotary_dim),
+                    HeadShape(shape.k_heads, shape.head_dim, shape.rotary_dim),
+                    Tokens(num_tokens, seq_len, batch, cp_size, cp_rank), angles, positions, cfg)
 
 
 # WORKAROUND(Triton 3.5.1, the NVIDIA container 25.12's; 3.6 and later need none): a kernel's
@@ -399,8 +385,19 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     threads another way there (`_tile_angles`). Otherwise (and in the interpreter: those of
     Triton 3.5.1 and 3.6 fail on a `range` over tensor bounds) a plain `while` loop."""
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
-    dw1, dw2, dw_pass, weights = _norm_loop_start(norm, heads, shape, compute_dtype, cfg)
-    freqs = None                       # loaded once, as the weights are (`_norm_loop_start`)
+    offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
+    offs_p = _pass_channels(shape.rotary_dim, cfg)
+    # The sums of dL/dweight, as `_rope_tile` returns them.
+    BLOCK_H: tl.constexpr = heads.shape[0]
+    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    BLOCK_PASS: tl.constexpr = offs_p.shape[0]
+    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw_pass = tl.zeros([BLOCK_H, BLOCK_PASS], compute_dtype)
+    # Loaded once: inside the loop, the tiles' stores (which might alias the weight or the
+    # frequencies, for all the compiler knows) would have every tile load them again.
+    weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
+    freqs = None
     if cfg.ANGLES_FROM_POSITIONS:
         freqs = _pair_frequencies(angles, positions, shape.rotary_dim, cfg)
     num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
@@ -418,59 +415,6 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
             block += token_programs
     return dw1, dw2, dw_pass
-
-
-@triton.jit
-def _pair_norm_backward_tiles(tok_block, token_programs, q, k, q_heads, k_heads, q_shape,
-                              k_shape, tokens, angles, positions, q_norm, k_norm,
-                              cfg: tl.constexpr):
-    """`_norm_backward_tiles` over `_rope_pair_tile`'s tiles (the query's and the key's heads
-    of each token block): the query's dL/dweight sums, then the key's."""
-    compute_dtype = tl.float64 if q.src.ptr.dtype.element_ty == tl.float64 else tl.float32
-    dwq1, dwq2, dwq_pass, q_weights = _norm_loop_start(q_norm, q_heads, q_shape, compute_dtype,
-                                                       cfg)
-    dwk1, dwk2, dwk_pass, k_weights = _norm_loop_start(k_norm, k_heads, k_shape, compute_dtype,
-                                                       cfg)
-    freqs = None                       # loaded once, as the weights are (`_norm_loop_start`)
-    if cfg.ANGLES_FROM_POSITIONS:
-        freqs = _pair_frequencies(angles, positions, q_shape.rotary_dim, cfg)
-    num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
-    if cfg.PIPELINE_STAGES > 0:
-        for block in tl.range(tok_block, num_blocks, token_programs,
-                              num_stages=cfg.PIPELINE_STAGES):
-            dq1, dq2, dq_pass, dk1, dk2, dk_pass = _rope_pair_tile(
-                block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles, positions,
-                q_norm, k_norm, cfg, q_weights, k_weights, freqs)
-            dwq1, dwq2, dwq_pass = dwq1 + dq1, dwq2 + dq2, dwq_pass + dq_pass
-            dwk1, dwk2, dwk_pass = dwk1 + dk1, dwk2 + dk2, dwk_pass + dk_pass
-    else:
-        block = tok_block
-        while block < num_blocks:
-            dq1, dq2, dq_pass, dk1, dk2, dk_pass = _rope_pair_tile(
-                block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles, positions,
-                q_norm, k_norm, cfg, q_weights, k_weights, freqs)
-            dwq1, dwq2, dwq_pass = dwq1 + dq1, dwq2 + dq2, dwq_pass + dq_pass
-            dwk1, dwk2, dwk_pass = dwk1 + dk1, dwk2 + dk2, dwk_pass + dk_pass
-            block += token_programs
-    return dwq1, dwq2, dwq_pass, dwk1, dwk2, dwk_pass
-
-
-@triton.jit
-def _norm_loop_start(norm, heads, shape, compute_dtype: tl.constexpr, cfg: tl.constexpr):
-    """(dw1, dw2, dw_pass, weights): a norm backward's sums of dL/dweight at zero, shaped as
-    `_rope_tile` returns them, and the norm's weights (`_norm_weight`), loaded once before
-    the token loop: inside it, the tiles' stores (which might alias the weight, for all the
-    compiler knows) would have every tile load them again (the frequencies too)."""
-    offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
-    offs_p = _pass_channels(shape.rotary_dim, cfg)
-    BLOCK_H: tl.constexpr = heads.shape[0]
-    BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    BLOCK_PASS: tl.constexpr = offs_p.shape[0]
-    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
-    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
-    dw_pass = tl.zeros([BLOCK_H, BLOCK_PASS], compute_dtype)
-    weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
-    return dw1, dw2, dw_pass, weights
 
 
 @triton.jit
@@ -553,21 +497,19 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
 
 @triton.jit
 def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles,
-                    positions, q_norm, k_norm, cfg: tl.constexpr, q_weights=None, k_weights=None,
-                    freqs=None):
-    """`_rope_tile` for a tile of query heads and one of key heads (q and k InOuts) of the same
-    tokens, both loaded before the angles, which are worked out once for the two. Returns
-    the query's dL/dweight and the key's, one after the other."""
+                    positions, cfg: tl.constexpr):
+    """`_rope_tile` (without a norm) for a tile of query heads and one of key heads (q and k
+    InOuts) of the same tokens, both loaded before the angles, which are worked out once
+    for the two."""
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
-    q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok_ok, seq_idx, batch_idx,
-                            q_norm, q_weights, cfg)
-    k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok_ok, seq_idx, batch_idx,
-                            k_norm, k_weights, cfg)
+    q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok_ok, seq_idx, batch_idx, None,
+                            None, cfg)
+    k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok_ok, seq_idx, batch_idx, None,
+                            None, cfg)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
-                              q_shape.rotary_dim, freqs, q_inputs.x1.dtype, True, cfg)
-    dwq1, dwq2, dwq_pass = _rotate_and_store(q_inputs, rotation, q_norm, cfg)
-    dwk1, dwk2, dwk_pass = _rotate_and_store(k_inputs, rotation, k_norm, cfg)
-    return dwq1, dwq2, dwq_pass, dwk1, dwk2, dwk_pass
+                              q_shape.rotary_dim, None, q_inputs.x1.dtype, True, cfg)
+    _rotate_and_store(q_inputs, rotation, None, cfg)
+    _rotate_and_store(k_inputs, rotation, None, cfg)
 
 
 @triton.jit

@@ -835,7 +835,7 @@ class _RopePlan(NamedTuple):
     norm_input_strides: tuple = ()   # backward of a norm: of the forward's input
     weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
     positions_pass: object = None    # thd backward of a norm: sequence_positions_kernel's launch
-    k: "_RopePlan" = None        # q and k together (rotary_qk_kernel): k's strides, as above
+    k_strides: tuple = ()        # q and k together (rotary_qk_kernel): k's, and its result's
 
 
 class _QKVPlan(NamedTuple):
@@ -930,33 +930,22 @@ def _positions_mode(source, positions):
 
 
 def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
-               interleaved, backward, out, positions, inverse, norm, norm_input, k=None,
-               k_norm=None, k_norm_input=None):
-    """The plan of a call of set_rotary_kernel, or with `k` (and its norm and norm input), of
-    set_rotary_qk_kernel, `t` then being q."""
-    t_name = "t" if k is None else "q"
+               interleaved, backward, out, positions, inverse, norm, norm_input, k=None):
+    """The plan of a call of set_rotary_kernel, or with `k`, of set_rotary_qk_kernel (`t`
+    then being q)."""
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
-                            cp_rank, interleaved, positions, inverse=inverse, t_name=t_name)
-    k_shape = None
+                            cp_rank, interleaved, positions, inverse=inverse,
+                            t_name="t" if k is None else "q")
     if k is not None:
+        check_qk_pair(t, k)
         k_shape = check_rope_args(k, source, tensor_format, start_positions, cu_seqlens, cp_size,
                                   cp_rank, interleaved, positions, inverse=inverse, t_name="k")
-        _check_pair(t, k, shape, k_shape)
-        if (norm is None) != (k_norm is None):
-            raise ValueError("give q_norm and k_norm together (or neither)")
-    prefix = "norm_" if k is None else "q_norm_"
-    for x, x_shape, x_norm, x_input, x_prefix in ((t, shape, norm, norm_input, prefix),
-                                                  (k, k_shape, k_norm, k_norm_input, "k_norm_")):
-        if x_norm is not None:
-            if not isinstance(x_norm, RMSNorm):
-                raise TypeError(f"{x_prefix[:-1]} must be an RMSNorm or None, got "
-                                f"{type(x_norm).__name__}")
-            check_norm(x_norm, x, x_shape.nheads, x_shape.head_dim, prefix=x_prefix)
-            if backward:
-                _check_norm_input(x_input, x, name=f"{x_prefix}input")
-    if k_norm is not None and k_norm.over != norm.over:
-        raise ValueError(f"q_norm and k_norm must cover the same channels (over), got "
-                         f"{norm.over!r} and {k_norm.over!r}")
+    if norm is not None:
+        if not isinstance(norm, RMSNorm):
+            raise TypeError(f"norm must be an RMSNorm or None, got {type(norm).__name__}")
+        check_norm(norm, t, shape.nheads, shape.head_dim)
+        if backward:
+            _check_norm_input(norm_input, t)
     in_place = out is t
     if in_place and _overlaps_itself(t):
         raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
@@ -1032,20 +1021,10 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                          cfg, num_warps)
         kernel_shape = (shape.nheads, shape.head_dim, shape.rotary_dim)          # HeadShape
     else:
-        launch = _Launch(rotary_qk_kernel,
-                         (InOut, InOut, Angles, Positions, QKShape, Norm, Norm), grid, cfg,
-                         num_warps)
+        launch = _Launch(rotary_qk_kernel, (InOut, InOut, Angles, Positions, QKShape), grid,
+                         cfg, num_warps)
         kernel_shape = (shape.nheads, k_shape.nheads, shape.head_dim, shape.rotary_dim,
                         head_programs)                                          # QKShape
-    rows = token_blocks * head_programs
-    k_plan = None
-    if k is not None:
-        k_plan = _RopePlan(
-            None, x_strides=k_strides, out_strides=k_out_strides,
-            norm_input_strides=(_token_strides(k_norm_input, tensor_format) if norm_backward
-                                else ()),
-            weight_gradient=(_weight_gradient_plan(rows, k_norm.weight.numel()) if norm_backward
-                             else None))
     return _RopePlan(
         launch,
         x_strides=x_strides, out_strides=out_strides,
@@ -1055,20 +1034,24 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         shape=kernel_shape,
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank),
         norm_input_strides=_token_strides(norm_input, tensor_format) if norm_backward else (),
-        weight_gradient=_weight_gradient_plan(rows, norm.weight.numel())
+        weight_gradient=_weight_gradient_plan(token_blocks * head_programs, norm.weight.numel())
         if norm_backward else None,
-        positions_pass=positions_pass, k=k_plan)
+        positions_pass=positions_pass,
+        k_strides=(k_strides, k_out_strides) if k is not None else ())
 
 
-def _check_pair(q, k, q_shape, k_shape):
-    """q and k of one call of set_rotary_qk_kernel: the same tokens, head dim, dtype and
-    device (their head counts may differ)."""
+def check_qk_pair(q, k):
+    """q and k of one call of set_rotary_qk_kernel: tensors of the same dtype, device, tokens
+    and head dim (their head counts may differ)."""
+    for name, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if k.dtype != q.dtype or k.device != q.device:
         raise ValueError(f"k must have q's dtype {q.dtype} and device {q.device}, got {k.dtype} "
                          f"{k.device}")
-    if k.shape[:-2] != q.shape[:-2] or k_shape.head_dim != q_shape.head_dim:
-        raise ValueError(f"k must have q's tokens and head dim (shape {tuple(q.shape[:-2])} + "
-                         f"[heads, {q_shape.head_dim}]), got {tuple(k.shape)}")
+    if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2] or k.shape[-1:] != q.shape[-1:]:
+        raise ValueError(f"k must have q's tokens and head dim, as [..., heads, d] of the same "
+                         f"leading dims and d: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
 def _sequence_positions_launch(shape, has_start):
@@ -1159,29 +1142,17 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
 
 def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None,
                          interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0, backward=False,
-                         positions=None, inverse=False, q_norm=None, k_norm=None,
-                         q_norm_input=None, k_norm_input=None):
-    """`set_rotary_kernel` of q and of k, by the same angles, in one launch of
-    `rotary_qk_kernel` (q and k: the same tokens and head dim; any head counts). Returns
-    (q's result, k's), or in the backward of norms (q_norm and k_norm, RMSNorms over the same
-    channels, both or neither; q_norm_input and k_norm_input the forward's q and k) (dq, dk,
-    q_norm's weight gradient, k_norm's)."""
+                         positions=None, inverse=False):
+    """`set_rotary_kernel` of q and of k by the same angles, in one launch of
+    `rotary_qk_kernel`: q and k of the same tokens and head dim, any head counts, any strides.
+    Returns (q's result, k's), contiguous."""
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and (
             q.numel() == 0 or k.numel() == 0):
-        # Nothing to share: each as its own call (the one with elements launches).
-        kw = dict(tensor_format=tensor_format, start_positions=start_positions,
-                  interleaved=interleaved, cu_seqlens=cu_seqlens, cp_size=cp_size,
-                  cp_rank=cp_rank, backward=backward, positions=positions, inverse=inverse)
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("give q_norm and k_norm together (or neither)")
-        q_result = set_rotary_kernel(q, freqs, norm=q_norm, norm_input=q_norm_input, **kw)
-        k_result = set_rotary_kernel(k, freqs, norm=k_norm, norm_input=k_norm_input, **kw)
-        if q_norm is not None and backward:
-            return q_result[0], k_result[0], q_result[1], k_result[1]
-        return q_result, k_result
+        # Nothing to share: each its own call (the one with elements launches).
+        return tuple(set_rotary_kernel(x, freqs, tensor_format, start_positions, interleaved,
+                                       cu_seqlens, cp_size, cp_rank, backward,
+                                       positions=positions, inverse=inverse) for x in (q, k))
     q, k = (x.resolve_neg() if isinstance(x, torch.Tensor) else x for x in (q, k))
-    q_norm_input, k_norm_input = (x.resolve_neg() if isinstance(x, torch.Tensor) else x
-                                  for x in (q_norm_input, k_norm_input))
     source = _as_source(freqs, "freqs")
     if start_positions is not None or cu_seqlens is not None or positions is not None:
         start_positions, cu_seqlens, positions = map(_index_tensor,
@@ -1190,44 +1161,20 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
                start_positions, cu_seqlens, positions)
     values = ("qk", tensor_format, interleaved, cp_size, cp_rank, backward, inverse,
               *_source_key(source))
-    if q_norm is not None or k_norm is not None:
-        tensors += (q_norm_input, k_norm_input)
-        values += (*_norm_key(q_norm), *_norm_key(k_norm))
-    key = _metadata_key(tensors, values)
-    plan = _cached_plan(key, lambda: _make_plan(
+    plan = _cached_plan(_metadata_key(tensors, values), lambda: _make_plan(
         q, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
-        backward, None, positions, inverse, q_norm, q_norm_input, k, k_norm, k_norm_input))
+        backward, None, positions, inverse, None, None, k))
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    norm_backward = q_norm is not None and backward
-    norms = (None, None)
-    q_partial = k_partial = None
-    if q_norm is not None:
-        inputs = (None, None)
-        if backward:
-            q_partial = _partial_sums(plan.weight_gradient, q)
-            k_partial = _partial_sums(plan.k.weight_gradient, k)
-            inputs = ((q_norm_input, plan.norm_input_strides),
-                      (k_norm_input, plan.k.norm_input_strides))
-        norms = (_norm_group(q_norm, inputs[0], q_partial),
-                 _norm_group(k_norm, inputs[1], k_partial))
-        if plan.positions_pass is not None:
-            positions = torch.empty(plan.tokens.num_tokens, dtype=torch.int64, device=q.device)
-            plan.positions_pass((None, (0, 0, 0), start_positions, cu_seqlens), positions,
-                                *plan.tokens)
-            start_positions = cu_seqlens = None
+    k_strides, k_out_strides = plan.k_strides
     # The kernel's groups as plain tuples, field by field (`_Launch` says why).
     plan.launch(
         ((q, plan.x_strides), (q_out, plan.out_strides)),                       # q: InOut
-        ((k, plan.k.x_strides), (k_out, plan.k.out_strides)),                   # k: InOut
+        ((k, k_strides), (k_out, k_out_strides)),                               # k: InOut
         _angles(source, plan.table),                                            # Angles
         (positions, plan.position_strides, start_positions, cu_seqlens),        # Positions
         plan.shape,                                                             # QKShape
-        *norms,                                                                 # q, k: Norm
         *plan.tokens)                 # num_tokens, seq_len, batch, cp_size, cp_rank
-    if norm_backward:
-        return (q_out, k_out, _weight_gradient(plan.weight_gradient, q_partial, q_norm),
-                _weight_gradient(plan.k.weight_gradient, k_partial, k_norm))
     return q_out, k_out
 
 

@@ -23,16 +23,19 @@ from triton_rotary_launch import (
     check_layout,
     check_norm,
     check_norm_scalars,
+    check_qk_pair,
     check_qkv_args,
     check_qkv_norms,
     check_rope_args,
     qkv_outputs,
     set_rotary_kernel,
+    set_rotary_qk_kernel,
     set_rotary_qkv_kernel,
 )
 
-__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_inplace", "apply_fused_qkv_rotary_pos_emb",
-           "RopeForwardAndBackward", "RopeNormForwardAndBackward", "FusedQKVRopeForwardAndBackward",
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "apply_rotary_pos_emb_inplace",
+           "apply_fused_qkv_rotary_pos_emb", "RopeForwardAndBackward", "QKRopeForwardAndBackward",
+           "RopeNormForwardAndBackward", "FusedQKVRopeForwardAndBackward",
            "FusedQKVRopeNormForwardAndBackward", "RotaryPositionEmbedding", "token_positions"]
 
 
@@ -481,6 +484,24 @@ class RopeForwardAndBackward(torch.autograd.Function):
         return _rope(grad_out, call), None
 
 
+class QKRopeForwardAndBackward(torch.autograd.Function):
+    """q and k by the same angles: one launch of `rotary_qk_kernel` forward and one backward
+    (the same launch with the rotation transposed; under `create_graph=True` this function
+    again, so the gradient is differentiable too)."""
+
+    @staticmethod
+    def forward(ctx, q, k, call):
+        _save_rope_call(ctx, call)
+        return _rope_qk(q, k, call)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        call, _ = _backward_rope_call(ctx)
+        if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
+            return (*QKRopeForwardAndBackward.apply(grad_q, grad_k, call), None)
+        return (*_rope_qk(grad_q, grad_k, call), None)
+
+
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
 # shape-polymorphic node per launch instead of tracing (and specialising on) the launcher. A call
 # crosses an op flattened to the types an op takes; the schemas below are the one statement of
@@ -527,6 +548,13 @@ def _rope_eager(t, call):
                              call.transpose, None, call.positions, call.inverse, call.norm)
 
 
+def _rope_qk_eager(q, k, call):
+    """`call` on q and k (it holds no norm), straight to the launcher."""
+    return set_rotary_qk_kernel(q, k, call.source, call.tensor_format, call.start_positions,
+                                call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
+                                call.transpose, call.positions, call.inverse)
+
+
 def _rope_inplace_eager(t, call):
     set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions, call.interleaved,
                       call.cu_seqlens, call.cp_size, call.cp_rank, call.transpose, out=t,
@@ -550,6 +578,21 @@ def _rope_op(t, *args):
 def _(t, *args):
     _check_rope_call(t, _rope_call(*args))
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+@torch.library.custom_op("triton_rotary::rope_qk", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, {_ROPE_CALL_SCHEMA}) -> (Tensor, Tensor)")
+def _rope_qk_op(q, k, *args):
+    return _rope_qk_eager(q, k, _rope_call(*args))
+
+
+@_rope_qk_op.register_fake
+def _(q, k, *args):
+    call = _rope_call(*args)
+    check_qk_pair(q, k)
+    _check_rope_call(q, call)
+    _check_rope_call(k, call)
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
 
 
 @torch.library.custom_op("triton_rotary::rope_", mutates_args=("t",),
@@ -580,6 +623,11 @@ def _(grad, t, *args):
 def _rope(t, call):
     """One launch of rotary_kernel: `call` on t."""
     return _compiled_or_eager(_rope_op, _rope_eager, (t,), call, _rope_op_args)
+
+
+def _rope_qk(q, k, call):
+    """One launch of rotary_qk_kernel: `call` on q and k."""
+    return _compiled_or_eager(_rope_qk_op, _rope_qk_eager, (q, k), call, _rope_op_args)
 
 
 def _rope_norm_backward(grad, t, call):
@@ -811,6 +859,42 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
         # much CPU time as the rest of a small call).
         return _rope(t, call)
     return RopeForwardAndBackward.apply(t, call)
+
+
+def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_format: str = "sbhd",
+                            start_positions: Optional[torch.Tensor] = None,
+                            interleaved: bool = False, fused: bool = True,
+                            cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
+                            cp_rank: int = 0, positions: Optional[torch.Tensor] = None,
+                            inverse: bool = False, q_norm_weight: Optional[torch.Tensor] = None,
+                            k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
+                            norm_offset: float = 0.0, norm_over: str = "head"):
+    """`apply_rotary_pos_emb` of the queries and the keys by the same angles, as Hugging
+    Face's and Liger's `apply_rotary_pos_emb(q, k, ...)` take them: returns (q's result,
+    k's). q and k: the same format, tokens, head dim and dtype, any head counts (GQA, a rank
+    of tensor parallelism). The other arguments are `apply_rotary_pos_emb`'s, for both.
+
+    Without norms, one launch rotates both, forward and backward: a program takes a token
+    block's query heads and a share of its key heads and works their angles out once.
+    With norms (q_norm_weight and k_norm_weight, both or neither; `norm_over`, `norm_eps`
+    and `norm_offset` shared) each is its own fused call of `apply_rotary_pos_emb`: the
+    joint launch measured slower in the norm's backward (docs/results.md).
+    """
+    check_qk_pair(q, k)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give q_norm_weight and k_norm_weight together (or neither)")
+    if q_norm_weight is not None or not fused:
+        kw = dict(tensor_format=tensor_format, start_positions=start_positions,
+                  interleaved=interleaved, fused=fused, cu_seqlens=cu_seqlens, cp_size=cp_size,
+                  cp_rank=cp_rank, positions=positions, inverse=inverse, norm_eps=norm_eps,
+                  norm_offset=norm_offset, norm_over=norm_over)
+        return (apply_rotary_pos_emb(q, freqs, norm_weight=q_norm_weight, **kw),
+                apply_rotary_pos_emb(k, freqs, norm_weight=k_norm_weight, **kw))
+    call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
+                    cu_seqlens, cp_size, cp_rank, positions, inverse, False)
+    if not (_needs_grad(q) or _needs_grad(k)):
+        return _rope_qk(q, k, call)
+    return QKRopeForwardAndBackward.apply(q, k, call)
 
 
 def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
