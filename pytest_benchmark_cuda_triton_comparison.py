@@ -100,6 +100,7 @@ from triton_rotary_main import (
     apply_fused_qkv_rotary_pos_emb,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_inplace,
+    apply_rotary_pos_emb_qk,
     token_positions,
 )
 
@@ -2006,6 +2007,112 @@ def test_qk_norm_fused_qkv_matches_separate_calls(interleaved):
         torch.testing.assert_close(a.detach(), b, atol=1e-5, rtol=1e-5)
 
 
+_QK_CASES = {
+    # name: (q shape, k shape, format, angles, options)
+    "sbhd table, 4:1 heads": ((6, 2, 4, 32), (6, 2, 1, 32), "sbhd", "table", {}),
+    "bshd module, 6:2 heads, partial": ((2, 7, 6, 32), (2, 7, 2, 32), "bshd", "half", {}),
+    "sbhd, k has more heads": ((6, 2, 3, 32), (6, 2, 5, 32), "sbhd", "module", {}),
+    "interleaved, start_positions": ((6, 2, 4, 32), (6, 2, 2, 32), "sbhd", "interleaved",
+                                     {"start_positions": [3, 1]}),
+    "cp rank 1 of 2, inverse": ((8, 2, 4, 32), (8, 2, 1, 32), "sbhd", "module",
+                                {"cp_size": 2, "cp_rank": 1, "inverse": True}),
+    "thd, tokens outside sequences": ((15, 4, 32), (15, 1, 32), "thd", "table",
+                                      {"cu_seqlens": [2, 7, 7, 13]}),
+    "thd positions": ((15, 4, 32), (15, 2, 32), "thd", "module", {"positions": list(range(15))}),
+    "M-RoPE": ((6, 2, 4, 32), (6, 2, 1, 32), "sbhd", "mrope", {"positions": "axes"}),
+}
+
+
+@pytest.mark.parametrize("name", list(_QK_CASES))
+def test_qk_pair_matches_separate_calls(name):
+    """apply_rotary_pos_emb_qk equals apply_rotary_pos_emb of q and of k, forward and
+    backward, bit for bit (the same arithmetic, the angles shared by both tiles), in one
+    launch of rotary_qk_kernel each way; q and k may be views of another layout."""
+    q_shape, k_shape, fmt, angles, options = _QK_CASES[name]
+    torch.manual_seed(71)
+    freqs = {"table": RotaryPositionEmbedding(32, device=DEVICE)(16),
+             "half": RotaryPositionEmbedding(32, rotary_percent=0.5, device=DEVICE),
+             "module": RotaryPositionEmbedding(32, device=DEVICE),
+             "interleaved": RotaryPositionEmbedding(32, interleaved=True, device=DEVICE)(16),
+             "mrope": RotaryPositionEmbedding(32, mrope_section=[4, 6, 6], device=DEVICE)}[angles]
+    options = dict(options)
+    options["interleaved"] = angles == "interleaved"
+    if options.get("positions") == "axes":
+        options["positions"] = torch.arange(3 * q_shape[0], device=DEVICE).view(3, -1) % 5
+    for key in ("cu_seqlens", "start_positions", "positions"):
+        if isinstance(options.get(key), list):
+            options[key] = int_tensor(options[key])
+    # k as a view with its heads and channels strided (a slice of a wider buffer)
+    q = torch.randn(q_shape, device=DEVICE).requires_grad_(True)
+    k_buffer = torch.randn((*k_shape[:-2], k_shape[-2] + 1, 2 * k_shape[-1]), device=DEVICE)
+    k = k_buffer[..., 1:, ::2].detach().requires_grad_(True)
+    launches = collections.Counter()
+    real_call = triton_rotary_launch._Launch.__call__
+
+    def counting(launch, *args):
+        launches[launch.kernel.fn.__name__] += 1
+        real_call(launch, *args)
+    triton_rotary_launch._Launch.__call__ = counting
+    try:
+        out_q, out_k = apply_rotary_pos_emb_qk(q, k, freqs, fmt, **options)
+        grads = (torch.randn_like(out_q), torch.randn_like(out_k))
+        grad_q, grad_k = torch.autograd.grad((out_q, out_k), (q, k), grads)
+    finally:
+        triton_rotary_launch._Launch.__call__ = real_call
+    assert launches == {"rotary_qk_kernel": 2}, launches
+    for x, out, grad, dx in ((q, out_q, grads[0], grad_q), (k, out_k, grads[1], grad_k)):
+        x2 = x.detach().requires_grad_(True)
+        ref = apply_rotary_pos_emb(x2, freqs, fmt, **options)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, x2, grad)[0], rtol=0, atol=0,
+                                   equal_nan=True)
+        unfused = apply_rotary_pos_emb(x.detach(), freqs, fmt, fused=False, **options)
+        torch.testing.assert_close(out.detach(), unfused, equal_nan=True)
+
+
+def test_qk_pair_gradcheck_norms_and_bad_input():
+    """float64 gradcheck and gradgradcheck of the joint call; with norms, two fused calls
+    (the weights' gradients included); empty q or k; bad pairs named."""
+    torch.manual_seed(72)
+    f64 = dict(device=DEVICE, dtype=torch.float64)
+    module = RotaryPositionEmbedding(8, rotary_percent=0.5, device=DEVICE)
+    q = torch.randn(3, 2, 2, 8, **f64, requires_grad=True)
+    k = torch.randn(3, 2, 1, 8, **f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: apply_rotary_pos_emb_qk(a, b, module), (q, k))
+    assert torch.autograd.gradgradcheck(lambda a, b: apply_rotary_pos_emb_qk(a, b, module), (q, k))
+
+    wq = torch.randn(8, device=DEVICE, requires_grad=True)
+    wk = torch.randn(8, device=DEVICE, requires_grad=True)
+    qf, kf = q.float().detach().requires_grad_(True), k.float().detach().requires_grad_(True)
+    norms = dict(norm_eps=1e-5, norm_offset=1.0)
+    outs = apply_rotary_pos_emb_qk(qf, kf, module, q_norm_weight=wq, k_norm_weight=wk, **norms)
+    grads = torch.autograd.grad(outs, (qf, kf, wq, wk), [torch.ones_like(o) for o in outs])
+    refs = []
+    for x, w in ((qf, wq), (kf, wk)):
+        x2, w2 = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        out = apply_rotary_pos_emb(x2, module, norm_weight=w2, **norms)
+        refs.append((out, *torch.autograd.grad(out, (x2, w2), torch.ones_like(out))))
+    for got, want in ((outs[0], refs[0][0]), (outs[1], refs[1][0]), (grads[0], refs[0][1]),
+                      (grads[1], refs[1][1]), (grads[2], refs[0][2]), (grads[3], refs[1][2])):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    empty_q = torch.randn(3, 2, 0, 8, **f64)
+    out_q, out_k = apply_rotary_pos_emb_qk(empty_q, k.detach(), module)
+    assert out_q.shape == empty_q.shape
+    torch.testing.assert_close(out_k, apply_rotary_pos_emb(k.detach(), module), rtol=0, atol=0)
+
+    bad = [(torch.randn(4, 2, 1, 8, **f64), {}, ValueError, "k must have q's tokens"),
+           (torch.randn(3, 2, 1, 4, **f64), {}, ValueError, "k must have q's tokens"),
+           (k.detach().float(), {}, ValueError, "k must have q's dtype"),
+           ([1.0], {}, TypeError, "k must be a torch.Tensor"),
+           (k.detach(), {"q_norm_weight": torch.ones(8, **f64)},
+            ValueError, "q_norm_weight and k_norm_weight together")]
+    for k_bad, extra, error, message in bad:
+        for fused in (True, False):
+            with pytest.raises(error, match=message):
+                apply_rotary_pos_emb_qk(q.detach(), k_bad, module, fused=fused, **extra)
+
+
 # =================================================================================================
 # == 6. Errors
 #    Bad input raises a ValueError or TypeError naming the argument.
@@ -2414,6 +2521,27 @@ def test_torch_compile_inverse_round_trip():
         assert torch.equal(compiled(t), round_trip(t))
 
 
+def test_torch_compile_qk_pair():
+    """fullgraph=True through apply_rotary_pos_emb_qk: one op for q and k, the same values
+    forward and backward as eager."""
+    torch.manual_seed(73)
+    module = RotaryPositionEmbedding(32, device=DEVICE)
+
+    def step(q, k):
+        out_q, out_k = apply_rotary_pos_emb_qk(q, k, module, "bshd")
+        return out_q.sum(dim=2) * out_k[:, :, 0]
+
+    compiled = torch.compile(step, fullgraph=True)
+    q, k = torch.randn(2, 8, 4, 32, device=DEVICE), torch.randn(2, 8, 1, 32, device=DEVICE)
+    x = [v.clone().requires_grad_(True) for v in (q, k)]
+    y = [v.clone().requires_grad_(True) for v in (q, k)]
+    out, ref = compiled(*x), step(*y)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, x, grad), torch.autograd.grad(ref, y, grad)):
+        torch.testing.assert_close(a, b)
+
+
 def test_torch_compile_qk_norm():
     """fullgraph=True through the QK-norm forms of both entry points: the same outputs and
     gradients (inputs and weights) as eager."""
@@ -2524,6 +2652,8 @@ def _opcheck_cases():
          (t[:, 0], *table, "thd", None, True, int_tensor([0, 1, 4]), 1, 0, None, True, False)),
         ("rope_ table", ops.rope_.default,
          (t.clone(), *table, "sbhd", int_tensor([0, 0]), False, None, 1, 0, None, False, False)),
+        ("rope_qk module backward", ops.rope_qk.default,
+         (t, t[:, :, :1], *angles, "sbhd", None, False, None, 1, 0, None, False, True)),
         ("rope_ module inverse", ops.rope_.default,
          (t.clone(), *angles, "sbhd", None, False, None, 2, 1, None, True, False)),
         ("qkv_rope table", ops.qkv_rope.default,
@@ -2553,7 +2683,7 @@ def _opcheck_cases():
     ]
 
 
-_OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd inverse", "rope_ table",
+_OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd inverse", "rope_ table", "rope_qk module backward",
                   "rope_ module inverse", "qkv_rope table", "qkv_rope module inverse", "qkv_rope_backward",
                   "rope norm", "rope_ norm", "rope_norm_backward", "qkv_rope norm", "qkv_rope_norm_backward")
 
@@ -2871,6 +3001,10 @@ def _planned_calls():
         packed = packed.detach().requires_grad_(True)
         sum(o.sum() for o in apply_fused_qkv_rotary_pos_emb(packed, *args, **kwargs)).backward()
 
+    def qk(q, k, *args, **kwargs):
+        q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        sum(o.sum() for o in apply_rotary_pos_emb_qk(q, k, *args, **kwargs)).backward()
+
     s, b, h, d = 64, 2, 32, 128
     bf16, gen = torch.bfloat16, torch.Generator().manual_seed(0)
     t = torch.randn(s, b, h, d, generator=gen).to(DEVICE, bf16)
@@ -2898,7 +3032,9 @@ def _planned_calls():
                   lambda f=freqs: qkv(packed, f, f, split),
                   lambda f=freqs: rope(t, f, **head), lambda f=freqs: rope(t, f, **token),
                   lambda f=freqs: rope(t_thd, f, "thd", cu_seqlens=cu_seqlens, **head),
-                  lambda f=freqs: qkv(packed, f, f, split, **qk_norm)]
+                  lambda f=freqs: qkv(packed, f, f, split, **qk_norm),
+                  lambda f=freqs: qk(t, t[:, :, :8], f),
+                  lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens)]
     calls += [lambda: rope(t, half), lambda: rope(t, half, **head),
               lambda: rope(t, exact, positions=torch.arange(s, device=DEVICE)),
               lambda: rope(t, mrope, positions=axis_positions),
@@ -2939,8 +3075,10 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
             call()
     kinds = {kind for kind, _ in records.values()}
     # The RoPE kernels with and without a norm, forward and backward, pipelined or not, the
-    # second pass of the norm's weight gradient and the thd positions pre-pass.
-    assert len(kinds) == 14, sorted(kinds)
+    # second pass of the norm's weight gradient, the thd positions pre-pass, and q and k
+    # together forward and backward.
+    assert len(kinds) == 16, sorted(kinds)
+    assert ("rotary_qk_kernel", 0, True, False) in kinds, sorted(kinds)
     assert ("sequence_positions_kernel", None, None, False) in kinds, sorted(kinds)
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([entry for _, entry in records.values()]))
