@@ -52,7 +52,9 @@ loops over its share of the token blocks and writes one row of partial sums, whi
 kernel, `weight_gradient_kernel`, adds up in one fixed order.
 
 Reading order: the argument groups (View, Angles, Positions, the shapes, Norm, Variant), the
-kernels, `_rope_tile` (one tile: loads, norm, angles, rotation, stores), the norm's
+kernels, `_rope_tile` (one tile: `_tile_inputs` loads it and applies the forward's norm,
+`_tile_rotation` works out its angles, `_rotate_and_store` rotates, takes the backward's
+norm and stores; `_rope_pair_tile` shares one rotation between a query and a key tile), the norm's
 arithmetic (`_rms_norm`, `_rms_norm_backward`), the tokens' positions
 (`_positions`, the thd search of cu_seqlens), the angles (`_tile_angles`, from a table or
 from positions), and last the arithmetic: fma, sin and cos.
