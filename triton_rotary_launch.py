@@ -996,7 +996,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     token_blocks, head_programs = grid
     if k is not None:
         # As many programs per token block as q's tiles take, each with a share of k's heads
-        # (all of them where the norm covers the token).
+        # (all of them where q's heads take one program, as at one rank of TP 8).
         tile["BLOCK_KV"] = triton.next_power_of_2(triton.cdiv(k_shape.nheads, head_programs))
         head_programs = max(head_programs, triton.cdiv(k_shape.nheads, tile["BLOCK_KV"]))
     if norm_backward:
@@ -1148,7 +1148,8 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
     Returns (q's result, k's), contiguous."""
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and (
             q.numel() == 0 or k.numel() == 0):
-        # Nothing to share: each its own call (the one with elements launches).
+        # Nothing to share: each its own call (the one with elements launches), of a valid pair.
+        check_qk_pair(q, k)
         return tuple(set_rotary_kernel(x, freqs, tensor_format, start_positions, interleaved,
                                        cu_seqlens, cp_size, cp_rank, backward,
                                        positions=positions, inverse=inverse) for x in (q, k))
@@ -1244,10 +1245,15 @@ def qkv_outputs(qkv, split, grads=None):
             new(*lead, kv_heads, v_dim))
 
 
-def check_qkv_norms(qkv, split, q_norm, k_norm):
-    """The per-head norms of q and k (RMSNorm, both or neither) fit the packed qkv."""
+def check_norm_pair(q_norm, k_norm):
+    """The norms of q and k (RMSNorms, or their weights): both or neither."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("give q_norm_weight and k_norm_weight together (or neither)")
+
+
+def check_qkv_norms(qkv, split, q_norm, k_norm):
+    """The per-head norms of q and k (RMSNorm, both or neither) fit the packed qkv."""
+    check_norm_pair(q_norm, k_norm)
     if q_norm is None:
         return
     for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):

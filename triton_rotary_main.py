@@ -22,6 +22,7 @@ from triton_rotary_launch import (
     angle_source,
     check_layout,
     check_norm,
+    check_norm_pair,
     check_norm_scalars,
     check_qk_pair,
     check_qkv_args,
@@ -880,10 +881,10 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
     and `norm_offset` shared) each is its own fused call of `apply_rotary_pos_emb`: the
     joint launch measured slower in the norm's backward (docs/results.md).
     """
-    check_qk_pair(q, k)
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("give q_norm_weight and k_norm_weight together (or neither)")
+    check_norm_pair(q_norm_weight, k_norm_weight)
     if q_norm_weight is not None or not fused:
+        # Two calls: their own checks do not compare q with k. (One launch: its plan does.)
+        check_qk_pair(q, k)
         kw = dict(tensor_format=tensor_format, start_positions=start_positions,
                   interleaved=interleaved, fused=fused, cu_seqlens=cu_seqlens, cp_size=cp_size,
                   cp_rank=cp_rank, positions=positions, inverse=inverse, norm_eps=norm_eps,
