@@ -655,6 +655,7 @@ def test_qk_norm_gradcheck_float64(case):
     else:
         freqs = torch.randn(16, 1, 1, rotary_dim, device=DEVICE) * 3
     rule = triton_rotary_launch.launch_rule()._replace(tile_bytes=256, search_tile_bytes=256,
+                                                       norm_positions_tile_bytes=256,
                                                        norm_backward_warps_per_sm=1)
     with triton_rotary_launch.use_launch_rule(rule):
         assert torch.autograd.gradcheck(
@@ -665,7 +666,7 @@ def test_qk_norm_gradcheck_float64(case):
                     reason="the interpreters of Triton 3.5 and 3.6 cannot run a range over tensor bounds")
 def test_qk_norm_pipelined_backward_matches_the_plain_loop():
     """The backward of a norm, its token loop software-pipelined (rule.norm_pipeline_stages,
-    rule.qkv_norm_pipeline_stages for fused QKV), gives the same bits as the plain loop,
+    fused QKV's too), gives the same bits as the plain loop,
     dL/dweight included, with several token blocks per program; it is planned for angles from
     positions only, not from a table."""
     L = triton_rotary_launch
@@ -695,15 +696,15 @@ def test_qk_norm_pipelined_backward_matches_the_plain_loop():
         out["qkv"] = torch.autograd.grad((q * q).sum() + (k * k).sum() + v.sum(), (qkv, weight))
         return out
 
-    small = L.launch_rule()._replace(tile_bytes=128, qkv_tile_bytes=256, norm_backward_rows=2,
+    small = L.launch_rule()._replace(tile_bytes=128, qkv_tile_bytes=256,
+                                     norm_positions_tile_bytes=128, norm_backward_rows=2,
                                      norm_table_backward_rows=2,
                                      search_tile_bytes=128, min_programs_per_sm=0,
                                      norm_backward_warps_per_sm=1)
     results, stages = [], []
     for pipeline_stages in (0, 3):
         L._PLANS.clear()
-        with L.use_launch_rule(small._replace(norm_pipeline_stages=pipeline_stages,
-                                              qkv_norm_pipeline_stages=pipeline_stages)):
+        with L.use_launch_rule(small._replace(norm_pipeline_stages=pipeline_stages)):
             results.append(gradients())
             stages.append(sorted(p.launch.cfg.PIPELINE_STAGES for p in L._PLANS.values()
                                  if p.launch is not None and p.launch.cfg.NORM and p.launch.cfg.BACKWARD))
@@ -3153,9 +3154,11 @@ def test_plan_cache_keeps_validation():
 
 def test_norm_calls_take_the_norms_tiles_and_warps():
     """A QK-norm forward takes the plain tile in rule.norm_warps warps, in
-    rule.norm_one_head_warps where its tile holds one head. Its backward takes tiles of
-    rule.norm_backward_rows rows (angles from a table: rule.norm_table_backward_rows; the
-    fused QKV: its own tile), in as many warps as give each thread
+    rule.norm_one_head_warps where its tile holds one head; with angles from positions and 2
+    to rule.norm_positions_max_heads heads, a tile of rule.norm_positions_tile_bytes in
+    rule.norm_positions_warps (the fused QKV: its own tile in those warps). Its backward takes tiles of
+    rule.norm_backward_rows rows (angles from a table: rule.norm_table_backward_rows), the
+    fused QKV's query tiles too, in as many warps as give each thread
     rule.norm_backward_thread_elements elements, and rule.norm_backward_warps_per_sm warps per
     SM along the tokens. A call without a norm keeps rule.num_warps."""
     L = triton_rotary_launch
@@ -3163,13 +3166,16 @@ def test_norm_calls_take_the_norms_tiles_and_warps():
     x = torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True)
     inputs = {"4 heads": (x, module),
               "1 head": (torch.randn(64, 2, 1, 16, device=DEVICE, requires_grad=True), module),
+              "8 heads": (torch.randn(64, 2, 8, 16, device=DEVICE, requires_grad=True), module),
               "table": (x, module(64))}
     qkv = torch.randn(64, 2, 2, 64, device=DEVICE, requires_grad=True)
     weight = torch.randn(16, device=DEVICE, requires_grad=True)
-    # 256 bytes hold 4 rows of 16 float32 channels; 16 rows hold 256 elements, 2 warps of 4
-    # each; 8 warps per SM are 4 programs of 2 warps.
+    # A row is 16 float32 channels, 64 bytes: 256 bytes hold 4 rows, 512 hold 8; 16 rows hold
+    # 256 elements, 2 warps of 4 each; 8 warps per SM are 4 programs of 2 warps.
     rule = L.launch_rule()._replace(tile_bytes=256, qkv_tile_bytes=256, num_warps=4, norm_warps=1,
-                                    norm_one_head_warps=8, norm_backward_rows=16,
+                                    norm_one_head_warps=8, norm_positions_tile_bytes=512,
+                                    norm_positions_warps=2, norm_positions_max_heads=4,
+                                    norm_backward_rows=16,
                                     norm_table_backward_rows=8, norm_backward_thread_elements=4,
                                     norm_backward_warps_per_sm=8, min_programs_per_sm=0)
     found = {}
@@ -3185,19 +3191,22 @@ def test_norm_calls_take_the_norms_tiles_and_warps():
                        "backward" if launch.cfg.BACKWARD else "forward")
                 found[key] = (launch.num_warps, launch.cfg.BLOCK_T, launch.cfg.BLOCK_H,
                               launch.grid[0])
-        L._PLANS.clear()
-        apply_fused_qkv_rotary_pos_emb(qkv, module, module, [32, 16, 16], q_norm_weight=weight,
-                                       k_norm_weight=weight)[0].sum().backward()
-        for plan in L._PLANS.values():
-            launch = plan.launch
-            found[("qkv", "backward" if launch.cfg.BACKWARD else "forward")] = (
-                launch.num_warps, launch.cfg.BLOCK_T, launch.cfg.BLOCK_H)
+        for name, freqs in (("qkv", module), ("qkv table", module(64))):
+            L._PLANS.clear()
+            apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], q_norm_weight=weight,
+                                           k_norm_weight=weight)[0].sum().backward()
+            for plan in L._PLANS.values():
+                launch = plan.launch
+                found[(name, "backward" if launch.cfg.BACKWARD else "forward")] = (
+                    launch.num_warps, launch.cfg.BLOCK_T, launch.cfg.BLOCK_H)
     sms = L._sm_count(torch.device(DEVICE))
-    # 128 tokens; forward tiles of 4 rows, backward tiles of 16 rows (the tokens split into
-    # 32 blocks of 4 tokens x 4 heads, or 8 blocks of 16 tokens x 1 head), 4 programs per SM;
-    # from the table, 8 rows (64 blocks of 2 tokens x 4 heads) in 1 warp, 8 programs per SM.
+    # 128 tokens; forward tiles of 8 rows from positions (64 blocks of 2 tokens x 4 heads),
+    # of 4 rows from the table and of one head (1 token x 4 heads; 4 tokens x 1 head);
+    # backward tiles of 16 rows (32 blocks of 4 tokens x 4 heads, or 8 blocks of 16 tokens x
+    # 1 head), 4 programs per SM; from the table, 8 rows (64 blocks of 2 tokens x 4 heads) in
+    # 1 warp, 8 programs per SM.
     assert found == {
-        ("4 heads", "norm", "forward"): (1, 1, 4, 128),
+        ("4 heads", "norm", "forward"): (2, 2, 4, 64),
         ("4 heads", "norm", "backward"): (2, 4, 4, min(32, 4 * sms)),
         ("4 heads", "plain", "forward"): (4, 1, 4, 128),
         ("table", "norm", "forward"): (1, 1, 4, 128),
@@ -3206,9 +3215,18 @@ def test_norm_calls_take_the_norms_tiles_and_warps():
         ("1 head", "norm", "forward"): (8, 4, 1, 32),
         ("1 head", "norm", "backward"): (2, 16, 1, min(8, 4 * sms)),
         ("1 head", "plain", "forward"): (4, 4, 1, 32),
-        # query tiles of 256 bytes: 1 token x 4 heads, 1 warp forward and (64 elements) backward
-        ("qkv", "forward"): (1, 1, 4),
-        ("qkv", "backward"): (1, 1, 4),
+        # more heads than rule.norm_positions_max_heads: the plain tile (1 token x 4 heads, two
+        # programs per token); backward 2 tokens x 8 heads
+        ("8 heads", "norm", "forward"): (1, 1, 4, 256),
+        ("8 heads", "norm", "backward"): (2, 2, 8, min(64, 4 * sms)),
+        ("8 heads", "plain", "forward"): (4, 1, 4, 256),
+        # 4 query heads of d 16: forward tiles of 256 bytes (1 token x 4 heads), 2 warps from
+        # positions, 1 from the table; backward tiles of 16 rows (4 tokens x 4 heads, 2 warps),
+        # from the table 8 (2 tokens x 4 heads, 1 warp)
+        ("qkv", "forward"): (2, 1, 4),
+        ("qkv", "backward"): (2, 4, 4),
+        ("qkv table", "forward"): (1, 1, 4),
+        ("qkv table", "backward"): (1, 2, 4),
     }, found
 
 

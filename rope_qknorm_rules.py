@@ -54,14 +54,13 @@ RULES = {
     "bwd_2_stages": G._replace(norm_pipeline_stages=2),
     "bwd_4_stages": G._replace(norm_pipeline_stages=4),
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
-    "qkv_bwd_pipelined": G._replace(qkv_norm_pipeline_stages=3),
 }
 ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
               "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
 EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_8_rows",
                "bwd_32_rows", "bwd_32_warps_per_sm")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
-QKV_EXACT_RULES = ("rule", "qkv_bwd_pipelined")
+QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
 
 
 def build(p, dev="cuda"):

@@ -76,8 +76,26 @@ QKV_TILE_BYTES = 8192
 # tokens, exact angles: 1.30-1.31 -> 1.09-1.11 copies (H100), 1.50-1.63 -> 1.24-1.33 (H200).
 NORM_WARPS = 2
 NORM_ONE_HEAD_WARPS = 4
+# With angles from positions, a forward tile of 2 to NORM_POSITIONS_MAX_HEADS heads holds
+# NORM_POSITIONS_TILE_BYTES in NORM_POSITIONS_WARPS warps (as many elements per thread as
+# NORM_WARPS at 4 KiB), and the fused QKV's tile takes NORM_POSITIONS_WARPS too. Kernels alone,
+# bf16, each tensor apart, in copies of it, against 4 KiB in NORM_WARPS (the fused QKV: its
+# 8 KiB in NORM_WARPS), H100 / H200 (artifacts/qknorm/launch_rule_ab_*): Qwen3-8B's 8 key
+# heads at 8K tokens 1.06 -> 1.02 / 1.14 -> 1.06, tensor parallelism 8's 4 query heads at 16K
+# 1.07 -> 1.03 / 1.17 -> 1.12, packed thd key heads 1.10 -> 1.06 / 1.25 -> 1.15, Gemma 3's 16
+# query heads 1.01 -> 1.01 / 1.05 -> 1.03; fused QKV at TP 8 1.10 -> 1.04 / 1.21 -> 1.16 and
+# Gemma 3 1.02 -> 1.01 / 1.13 -> 1.03, the same elsewhere but TP 8 at 64K tokens on the H200
+# (1.12 -> 1.13). Tokens of more heads keep the plain tile:
+# Qwen3-8B's 32 and Qwen3-32B's 64 query heads (a token's heads fill 8 KiB or more) were
+# 1.3-2.1% slower in 8 KiB on the H200 (0.1-0.9% on the H100). Not for a table's angles, where
+# 8 KiB tiles were slower at 32-64 heads on the H100 (Qwen3-8B 1.06 -> 1.11, Qwen3-32B 1.03 ->
+# 1.08), nor for tiles of one head (tensor parallelism 8's key head, exact angles, 16K tokens:
+# 1.09 -> 1.31 on the H100).
+NORM_POSITIONS_TILE_BYTES = 8192
+NORM_POSITIONS_WARPS = 4
+NORM_POSITIONS_MAX_HEADS = 16
 # The backward takes tiles of NORM_BACKWARD_ROWS (token, head) rows (a norm over the whole
-# token: whole tokens; the fused QKV: its QKV_TILE_BYTES), in as many warps as give each thread
+# token: whole tokens), the fused QKV's query tiles too, in as many warps as give each thread
 # NORM_BACKWARD_THREAD_ELEMENTS elements of the tile, at most NORM_BACKWARD_MAX_WARPS, and
 # launches NORM_BACKWARD_WARPS_PER_SM warps per SM along the tokens, each program looping over
 # its share of the token blocks (as many as are resident at once, so that none waits for a
@@ -89,7 +107,14 @@ NORM_ONE_HEAD_WARPS = 4
 # tensor parallelism 8, 64K tokens, exact angles, 4 heads 1.89 -> 1.72 / 2.64 -> 1.75, 1 head
 # 2.64 -> 2.45 / 3.48 -> 3.25; two heads of d 64 2.58 -> 2.18 (H100). Slower at one point:
 # 32 heads, packed thd with positions, H200, 1.62 -> 1.68. Tiles of 8 rows were 1.5-2.5x
-# slower with exact angles (Gemma 3's d 256 in 4 KiB, d 128 in 2 KiB).
+# slower with exact angles (Gemma 3's d 256 in 4 KiB, d 128 in 2 KiB). The fused QKV's
+# backward takes the same tiles and pipelining; against its 8 KiB query tiles, unpipelined, in
+# copies of qkv, H100 / H200, exact angles: Qwen3-8B (8K tokens) 1.94 -> 1.87 / 2.45 -> 2.08,
+# TP 8 at 16K 2.78 -> 1.84 / 3.65 -> 2.44 and at 64K 2.60 -> 1.60 / 3.51 -> 2.20, Qwen3-32B
+# 1.82 -> 1.84 / 2.20 -> 2.01, Gemma 3 1.67 -> 1.72 / 1.95 -> 2.04 (slower); TE's table
+# (8 rows): Qwen3-8B 1.99 -> 1.62 / 2.56 -> 1.89, TP 8 4.49 -> 2.23 / 5.95 -> 2.86, Gemma 3
+# 1.74 -> 1.66 / 2.08 -> 1.97, Qwen3-32B 1.87 -> 2.20 / 2.31 -> 2.70 (slower). Unpipelined
+# 16-row tiles were faster at Qwen3-8B (1.63 / 1.90) but slower at TP 8 and Qwen3-32B.
 NORM_BACKWARD_ROWS = 16
 # Angles from a table keep their loop unpipelined (NORM_PIPELINE_STAGES) and read their angles
 # from the table, not from sin/cos each thread works out: there tiles of half the rows are
@@ -122,10 +147,6 @@ SEQUENCE_POSITIONS_BLOCK = 256
 # backward by -4% to +2% and cut the H200's by 6-9%. Angles from a table keep the
 # plain loop: pipelined, with shared angles, 6-9% slower at five of the six points.
 NORM_PIPELINE_STAGES = 3
-# The fused-QKV backward, whose key programs also copy the values, gains nothing pipelined (3
-# stages, exact angles): Qwen3-8B 2.33 / 2.89 against 2.33 / 2.91, Gemma 3 2.32 / 2.75 against
-# 2.25 / 2.62 (H100 / H200). It keeps the plain loop.
-QKV_NORM_PIPELINE_STAGES = 0
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
@@ -146,22 +167,27 @@ class LaunchRule(NamedTuple):
     qkv_tile_bytes: int
     norm_warps: int
     norm_one_head_warps: int
+    norm_positions_tile_bytes: int
+    norm_positions_warps: int
+    norm_positions_max_heads: int
     norm_backward_rows: int
     norm_table_backward_rows: int
     norm_backward_thread_elements: int
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
-    qkv_norm_pipeline_stages: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
-                      NORM_WARPS, NORM_ONE_HEAD_WARPS, NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
+                      NORM_WARPS, NORM_ONE_HEAD_WARPS, NORM_POSITIONS_TILE_BYTES,
+                      NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
+                      NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
-                      NORM_PIPELINE_STAGES, QKV_NORM_PIPELINE_STAGES)
+                      NORM_PIPELINE_STAGES)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
-                              NUM_WARPS, NUM_WARPS, INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
-                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0)
+                              NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
+                              INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
+                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0)
 _RULE_OVERRIDE = [None]
 
 
@@ -637,15 +663,25 @@ def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, eleme
     return grid, meta
 
 
-def _norm_warps(rule: LaunchRule, tile: dict, backward: bool) -> int:
-    """Warps of a tile (launch_config's) with a norm (NORM_WARPS and NORM_BACKWARD_ROWS say
-    why): forward, rule.norm_warps, or rule.norm_one_head_warps for a tile of one head;
+def _norm_warps(rule: LaunchRule, tile: dict, backward: bool, positions_tile: bool) -> int:
+    """Warps of a tile (launch_config's) with a norm (NORM_WARPS, NORM_POSITIONS_TILE_BYTES and
+    NORM_BACKWARD_ROWS say why): forward, rule.norm_one_head_warps for a tile of one head,
+    rule.norm_positions_warps for a tile `_norm_positions_tile` chose (the fused QKV: any
+    with angles from positions), else rule.norm_warps;
     backward, as many as give each thread rule.norm_backward_thread_elements of the tile."""
     if not backward:
-        return rule.norm_one_head_warps if tile["BLOCK_H"] == 1 else rule.norm_warps
+        if tile["BLOCK_H"] == 1:
+            return rule.norm_one_head_warps
+        return rule.norm_positions_warps if positions_tile else rule.norm_warps
     elements = tile["BLOCK_T"] * tile["BLOCK_H"] * (2 * tile["BLOCK_HALF"] + tile["BLOCK_PASS"])
     warps = elements // (32 * rule.norm_backward_thread_elements)
     return max(1, min(NORM_BACKWARD_MAX_WARPS, warps))
+
+
+def _norm_positions_tile(rule: LaunchRule, source, nheads: int) -> bool:
+    """Whether a norm's forward takes rule.norm_positions_tile_bytes (NORM_POSITIONS_TILE_BYTES
+    says why): angles from positions, 2 to rule.norm_positions_max_heads heads."""
+    return source.from_positions and 1 < nheads <= rule.norm_positions_max_heads
 
 
 def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -> int:
@@ -656,6 +692,13 @@ def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -
     if norm_backward and source.from_positions and not searches:
         return stages
     return 0
+
+
+def _norm_backward_tile_bytes(rule: LaunchRule, source, head_dim: int, element_size: int) -> int:
+    """Bytes of a norm backward's tile: rule.norm_backward_rows rows of the head
+    (rule.norm_table_backward_rows with angles from a table)."""
+    rows = rule.norm_backward_rows if source.from_positions else rule.norm_table_backward_rows
+    return rows * head_dim * element_size
 
 
 _MAX_GRID_X = 2**31 - 1
@@ -983,16 +1026,18 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         positions_pass = _sequence_positions_launch(shape, start_positions is not None)
         searches = False
     if norm_backward:
-        rows = (rule.norm_backward_rows if source.from_positions
-                else rule.norm_table_backward_rows)
-        tile_bytes = rows * shape.head_dim * t.element_size()
+        tile_bytes = _norm_backward_tile_bytes(rule, source, shape.head_dim, t.element_size())
+    positions_tile = (norm is not None and not backward
+                      and _norm_positions_tile(rule, source, shape.nheads))
+    if positions_tile:
+        tile_bytes = rule.norm_positions_tile_bytes
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
         element_size=t.element_size(), tile_bytes=tile_bytes, rule=rule,
         whole_tokens=norm is not None and norm.over == "token")
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
     if norm is not None:
-        num_warps = _norm_warps(rule, tile, backward)
+        num_warps = _norm_warps(rule, tile, backward, positions_tile)
     token_blocks, head_programs = grid
     if k is not None:
         # As many programs per token block as q's tiles take, each with a share of k's heads
@@ -1290,12 +1335,15 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     # Tiles sized for the query heads; a key program takes as many kv heads (key and value)
     # as keep its tile no larger than a query tile.
     rule = launch_rule()
+    norm_backward = q_norm is not None and grads is not None
+    tile_bytes = (_norm_backward_tile_bytes(rule, q_source, k_dim, qkv.element_size())
+                  if norm_backward else rule.qkv_tile_bytes)
     grid, tile = launch_config(
         shape._replace(nheads=kv_heads * q_per_kv), qkv.device, copy_pass=True,
-        element_size=qkv.element_size(), tile_bytes=rule.qkv_tile_bytes, rule=rule)
+        element_size=qkv.element_size(), tile_bytes=tile_bytes, rule=rule)
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
     if q_norm is not None:
-        num_warps = _norm_warps(rule, tile, grads is not None)
+        num_warps = _norm_warps(rule, tile, grads is not None, q_source.from_positions)
     row = 2 * tile["BLOCK_HALF"] + tile["BLOCK_PASS"]
     block_v = triton.next_power_of_2(v_dim)
     block_kv = min(tile["BLOCK_H"], triton.next_power_of_2(kv_heads))
@@ -1304,7 +1352,6 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     q_programs = triton.cdiv(kv_heads * q_per_kv, tile["BLOCK_H"])
     k_programs = triton.cdiv(kv_heads, block_kv)
     token_blocks = grid[0]
-    norm_backward = q_norm is not None and grads is not None
     if norm_backward:
         token_blocks = norm_programs(token_blocks, q_programs + k_programs, qkv.device, rule,
                                      num_warps)
@@ -1316,7 +1363,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                   POSITIONS_FROM=_positions_mode(q_source, positions), FLAT_GRID=flat_grid,
                   BLOCK_KV=block_kv, BLOCK_V=block_v, INVERSE=inverse,
                   NORM=NO_NORM.value if q_norm is None else NORM_OVER_HEAD.value,
-                  PIPELINE_STAGES=_pipeline_stages(rule.qkv_norm_pipeline_stages, q_source,
+                  PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, q_source,
                                                    norm_backward, False))
     input_strides = ()
     if norm_backward:
