@@ -85,12 +85,12 @@ NORM_ONE_HEAD_WARPS = 4
 # 1.07 -> 1.03 / 1.17 -> 1.12, packed thd key heads 1.10 -> 1.06 / 1.25 -> 1.15, Gemma 3's 16
 # query heads 1.01 -> 1.01 / 1.05 -> 1.03; fused QKV at TP 8 1.10 -> 1.04 / 1.21 -> 1.16 and
 # Gemma 3 1.02 -> 1.01 / 1.13 -> 1.03, the same elsewhere but TP 8 at 64K tokens on the H200
-# (1.12 -> 1.13). Tokens of more heads keep the plain tile:
-# Qwen3-8B's 32 and Qwen3-32B's 64 query heads (a token's heads fill 8 KiB or more) were
-# 1.3-2.1% slower in 8 KiB on the H200 (0.1-0.9% on the H100). Not for a table's angles, where
-# 8 KiB tiles were slower at 32-64 heads on the H100 (Qwen3-8B 1.06 -> 1.11, Qwen3-32B 1.03 ->
-# 1.08), nor for tiles of one head (tensor parallelism 8's key head, exact angles, 16K tokens:
-# 1.09 -> 1.31 on the H100).
+# (1.12 -> 1.13). The same A/B run earlier with every norm forward in 8 KiB tiles of 4 warps
+# (its logs not kept) is why the rest keep the plain tile: Qwen3-8B's 32 and Qwen3-32B's 64
+# query heads (a token's heads fill 8 KiB or more) were 1.3-2.1% slower on the H200 (0.1-0.9%
+# on the H100); a table's angles at 32-64 heads on the H100 too (Qwen3-8B 1.06 -> 1.11,
+# Qwen3-32B 1.03 -> 1.08); a tile of one head (tensor parallelism 8's key head, exact angles,
+# 16K tokens) 1.09 -> 1.31 on the H100.
 NORM_POSITIONS_TILE_BYTES = 8192
 NORM_POSITIONS_WARPS = 4
 NORM_POSITIONS_MAX_HEADS = 16
