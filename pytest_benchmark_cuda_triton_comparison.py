@@ -3077,9 +3077,10 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     kinds = {kind for kind, _ in records.values()}
     # The RoPE kernels with and without a norm, forward and backward, pipelined or not, the
     # second pass of the norm's weight gradient, the thd positions pre-pass, and q and k
-    # together forward and backward.
-    assert len(kinds) == 16, sorted(kinds)
+    # together forward and backward; the fused QKV's norm backward pipelined.
+    assert len(kinds) == 17, sorted(kinds)
     assert ("rotary_qk_kernel", 0, True, False) in kinds, sorted(kinds)
+    assert ("rotary_qkv_kernel", 1, True, True) in kinds, sorted(kinds)
     assert ("sequence_positions_kernel", None, None, False) in kinds, sorted(kinds)
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([entry for _, entry in records.values()]))
