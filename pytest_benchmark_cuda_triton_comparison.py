@@ -2988,6 +2988,18 @@ def test_pipelined_tiles_compute_sin_cos_once_per_program():
         assert tile["sin"] == 1, tile
 
 
+def test_norm_backward_loop_keeps_out_of_shared_memory():
+    """The pipelined backward of a norm over a one-head tile of 16 tokens, the tokens spread
+    over its 4 warps, carries dL/dweight per token through its token loop and sums it over the
+    tokens after the loop (`_norm_backward_tiles`): the loop stores nothing to shared memory
+    (the pipeline's copies into it are LDGSTS). A sum over the tile's tokens inside the loop
+    goes through shared memory in every trip (20 STS under Triton 3.6)."""
+    tile = dict(BLOCK_T=16, BLOCK_H=1, NORM=1, BACKWARD=True, PIPELINE_STAGES=3, SEQ_MAJOR=False)
+    (result,) = _compile_tiles(tile)
+    assert result["loop_shared_stores"], result          # the token loop is there
+    assert set(result["loop_shared_stores"]) == {0}, result
+
+
 def _planned_calls():
     """Calls (functions of no argument, forward and backward) that reach every kind of launch
     the launcher plans: each angle source and format, interleaved and partial rotary, CP,

@@ -7,7 +7,8 @@ TRITON_INTERPRET, so that the kernel is a JIT function.
 a JSON list of `launch_record`s) and prints, per launch, `{"ok": true}` or the compiler's error.
 
 Per tile it prints one JSON line: the number of sin.approx in the PTX (PTX is one thread's code,
-so that is the sin/cos each thread computes) and the global loads in the order of the SASS.
+so that is the sin/cos each thread computes), the global loads in the order of the SASS, and for
+each loop of the SASS (a branch back to a label) its shared-memory stores (STS).
 The arguments are those of a contiguous bf16 call (`example_arguments`), specialized as Triton
 specializes them (`signature`).
 """
@@ -94,8 +95,29 @@ def signature(fn, args, unspecialized=UNSPECIALIZED):
     return sig, constexprs, attrs
 
 
+def loop_shared_stores(sass):
+    """STS instructions in each loop of `sass` (nvdisasm -c output): the instructions from a
+    label to a later branch back to it, in the order of the branches."""
+    label_at, counts = {}, []
+    instructions = []
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            label_at[label.group(1)] = len(instructions)
+            continue
+        op = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if op:
+            instructions.append(op.group(1))
+            back = re.search(r"\bBRA\s+`\(\.(L_x_\d+)\)", op.group(1))
+            if back and back.group(1) in label_at:
+                body = instructions[label_at[back.group(1)]:]
+                counts.append(sum(bool(re.match(r"(@!?U?P\w+\s+)?STS\b", i)) for i in body))
+    return counts
+
+
 def compile_tile(tile):
-    """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order}."""
+    """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order,
+    "loop_shared_stores": `loop_shared_stores` of the SASS}."""
     args = example_arguments(K.Variant(**{**DEFAULT_TILE, **tile}))
     sig, constexprs, attrs = signature(K.rotary_kernel, args)
     kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -107,7 +129,8 @@ def compile_tile(tile):
         sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True,
                               check=True).stdout
     return {"sin": len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])),
-            "loads": re.findall(r"\bLDG\.[\w.]+", sass)}
+            "loads": re.findall(r"\bLDG\.[\w.]+", sass),
+            "loop_shared_stores": loop_shared_stores(sass)}
 
 
 _POINTER_TYPES = {"float64": "*fp64", "float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16",

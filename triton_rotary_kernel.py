@@ -377,7 +377,7 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
                          v_dim, tokens, angles, positions, norm, cfg: tl.constexpr):
     """The backward of a norm: the tiles of every token_programs-th token block from tok_block
     on (`_rope_tile`'s arguments; with `v` an InOut, key tiles with their values, `_kv_tile`),
-    and their dL/dweight summed.
+    and their dL/dweight summed ([H, K] per member of the pairs and past them).
 
     With cfg.PIPELINE_STAGES, the loop is software-pipelined: Triton copies the next tiles'
     gradient and norm input into shared memory (cp.async) while this one is worked on, so
@@ -389,13 +389,19 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
     offs_p = _pass_channels(shape.rotary_dim, cfg)
-    # The sums of dL/dweight, as `_rope_tile` returns them.
+    # The sums of dL/dweight per token of the tile, as `_rope_tile` returns them, summed over
+    # the tokens once, after the loop. Summed over a tile's tokens in every trip, they cross
+    # warps wherever the tokens are spread over them (one head per tile): shared memory and
+    # barriers in every trip, for no fewer registers. Kernels alone, one head of d 128, 64K
+    # tokens, exact angles, in copies of the tensor (artifacts/qknorm/norm_backward_ab_*):
+    # H100 2.47 -> 1.85, H200 3.25 -> 2.08 (test_norm_backward_loop_keeps_out_of_shared_memory).
+    BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_H: tl.constexpr = heads.shape[0]
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
     BLOCK_PASS: tl.constexpr = offs_p.shape[0]
-    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
-    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], compute_dtype)
-    dw_pass = tl.zeros([BLOCK_H, BLOCK_PASS], compute_dtype)
+    dw1 = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw2 = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_HALF], compute_dtype)
+    dw_pass = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_PASS], compute_dtype)
     # Loaded once: inside the loop, the tiles' stores (which might alias the weight or the
     # frequencies, for all the compiler knows) would have every tile load them again.
     weights = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype, cfg)
@@ -416,7 +422,7 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
                                    tokens, angles, positions, norm, weights, freqs, cfg)
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
             block += token_programs
-    return dw1, dw2, dw_pass
+    return tl.sum(dw1, axis=0), tl.sum(dw2, axis=0), tl.sum(dw_pass, axis=0)
 
 
 @triton.jit
@@ -485,8 +491,8 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     rotates the gradient x back, then takes it through the norm's transpose, reading the
     norm's input from norm.x; `weights` and `freqs`, if given, are the norm's weights as
     `_norm_weight` gives them and the frequencies as `_pair_frequencies` does (else loaded
-    here). Returns the tile's dL/dweight ([H, BLOCK_HALF] for each member of the pairs,
-    [H, BLOCK_PASS] for the channels past rotary_dim) in the backward of a norm.
+    here). Returns the tile's dL/dweight per token ([T, H, BLOCK_HALF] for each member of the
+    pairs, [T, H, BLOCK_PASS] for the channels past rotary_dim) in the backward of a norm.
     """
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
     inputs = _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx,
@@ -767,8 +773,8 @@ def _rstd(x1, x2, x_pass, width, eps, cfg: tl.constexpr):
 def _rms_norm_backward(g1, g2, g_pass, x1, x2, x_pass, w1, w2, w_pass, width, eps,
                        cfg: tl.constexpr):
     """The norm's transpose: g the gradient of its output (xhat * w), x its input. Returns
-    dx (both members of the pairs and the channels past them) and the tile's dL/dweight,
-    summed over its tokens: dx = rstd * (g * w - xhat * mean(g * w * xhat)), dw = g * xhat."""
+    dx (both members of the pairs and the channels past them) and the tile's dL/dweight per
+    token: dx = rstd * (g * w - xhat * mean(g * w * xhat)), dw = g * xhat."""
     rstd = _rstd(x1, x2, x_pass, width, eps, cfg)
     xhat1, xhat2, xhat_pass = x1 * rstd, x2 * rstd, x_pass * rstd
     gw1, gw2, gw_pass = g1 * w1, g2 * w2, g_pass * w_pass
@@ -780,8 +786,7 @@ def _rms_norm_backward(g1, g2, g_pass, x1, x2, x_pass, w1, w2, w_pass, width, ep
     dx1 = rstd * (gw1 - xhat1 * mean)
     dx2 = rstd * (gw2 - xhat2 * mean)
     dx_pass = rstd * (gw_pass - xhat_pass * mean)
-    return (dx1, dx2, dx_pass, tl.sum(g1 * xhat1, axis=0), tl.sum(g2 * xhat2, axis=0),
-            tl.sum(g_pass * xhat_pass, axis=0))
+    return dx1, dx2, dx_pass, g1 * xhat1, g2 * xhat2, g_pass * xhat_pass
 
 
 @triton.jit
