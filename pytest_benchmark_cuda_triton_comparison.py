@@ -3077,7 +3077,7 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     def record(launch, *args):
         named = [triton_rotary_launch._as_group(a, g) for a, g in zip(args, launch.groups)]
         entry = rope_sass_probe.launch_record(launch.kernel.fn, (*named, *args[len(launch.groups):]),
-                                              launch.cfg, launch.num_warps)
+                                              launch.cfg, launch.num_warps, launch.options)
         cfg = launch.cfg
         kind = (launch.kernel.fn.__name__, getattr(cfg, "NORM", None), getattr(cfg, "BACKWARD", None),
                 getattr(cfg, "PIPELINE_STAGES", 0) > 0)
@@ -3094,6 +3094,12 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     assert ("rotary_qk_kernel", 0, True, False) in kinds, sorted(kinds)
     assert ("rotary_qkv_kernel", 1, True, True) in kinds, sorted(kinds)
     assert ("sequence_positions_kernel", None, None, False) in kinds, sorted(kinds)
+    # The fused QKV's pipelined norm backward alone caps its registers
+    # (QKV_NORM_BACKWARD_MAX_REGISTERS), and its records carry the cap to the compiler.
+    capped = {kind for kind, entry in records.values() if entry["options"]}
+    assert capped == {("rotary_qkv_kernel", 1, True, True)}, capped
+    assert all(entry["options"] == {"maxnreg": triton_rotary_launch.QKV_NORM_BACKWARD_MAX_REGISTERS}
+               for _, entry in records.values() if entry["options"])
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([entry for _, entry in records.values()]))
     results = _run_probe("--launches", str(path))

@@ -137,10 +137,11 @@ _POINTER_TYPES = {"float64": "*fp64", "float32": "*fp32", "bfloat16": "*bf16", "
                   "int64": "*i64", "int32": "*i32"}
 
 
-def launch_record(kernel, args, cfg, num_warps):
+def launch_record(kernel, args, cfg, num_warps, options=None):
     """A planned launch as JSON: the kernel's name, its arguments (NamedTuples as
     {"group": name, "fields": [...]}, a tensor as its pointer type), its compile-time choices
-    (`cfg`, a Variant or a WeightGradientTile, as a group) and the warps."""
+    (`cfg`, a Variant or a WeightGradientTile, as a group), the warps and the other compile
+    options it passes (`maxnreg`)."""
     def encode(value):
         if hasattr(value, "_fields"):
             return {"group": type(value).__name__, "fields": [encode(v) for v in value]}
@@ -150,7 +151,7 @@ def launch_record(kernel, args, cfg, num_warps):
             return _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
         return value
     return {"kernel": kernel.__name__, "args": [encode(a) for a in args], "cfg": encode(cfg),
-            "num_warps": num_warps}
+            "num_warps": num_warps, "options": dict(options or {})}
 
 
 def compile_launch(record):
@@ -165,7 +166,8 @@ def compile_launch(record):
     args = (*map(decode, record["args"]), decode(record["cfg"]))
     sig, constexprs, attrs = signature(fn, args)
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": record["num_warps"]})
+                   target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": record["num_warps"], **record.get("options", {})})
 
 
 if __name__ == "__main__":

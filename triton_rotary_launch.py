@@ -147,6 +147,14 @@ SEQUENCE_POSITIONS_BLOCK = 256
 # backward by -4% to +2% and cut the H200's by 6-9%. Angles from a table keep the
 # plain loop: pipelined, with shared angles, 6-9% slower at five of the six points.
 NORM_PIPELINE_STAGES = 3
+# The fused QKV's pipelined norm backward holds the query's path and the key and value's in
+# one kernel: uncapped, it takes 148-150 registers a thread (Triton 3.6, sm_90), so 3 programs
+# of 4 warps fit an SM where NORM_BACKWARD_WARPS_PER_SM plans 4, and a quarter of the programs
+# ran in a second wave. Capped (Triton's `maxnreg`), it compiles to 128 without spilling.
+# Kernels alone, in copies of qkv, H200 (artifacts/qknorm/qkv_registers_ab_*): Qwen3-8B 2.09 ->
+# 1.61, Gemma 3 2.04 -> 1.60. The unpipelined variants (TE's table, 2 warps, about 118
+# registers) fit uncapped and ran 2-3% slower capped.
+QKV_NORM_BACKWARD_MAX_REGISTERS = 128
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
@@ -175,6 +183,7 @@ class LaunchRule(NamedTuple):
     norm_backward_thread_elements: int
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
+    qkv_norm_backward_max_registers: int    # 0: no cap
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
@@ -182,12 +191,12 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
-                      NORM_PIPELINE_STAGES)
+                      NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
-                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0)
+                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0)
 _RULE_OVERRIDE = [None]
 
 
@@ -378,7 +387,8 @@ def norm_programs(token_blocks, head_programs, device, rule, num_warps):
     rule.norm_backward_warps_per_sm warps per SM in all, each program looping over its share
     of the token blocks."""
     per_sm = max(1, rule.norm_backward_warps_per_sm // num_warps)
-    return max(1, min(token_blocks, triton.cdiv(per_sm * _sm_count(device), head_programs)))
+    # Rounded down: programs past what is resident at once would run after the others, alone.
+    return max(1, min(token_blocks, per_sm * _sm_count(device) // head_programs))
 
 
 def _norm_group(norm, norm_input, partial):
@@ -807,8 +817,10 @@ class _Launch:
     on the GPU. `runners` holds the launchers (tests check that it fills).
     """
 
-    def __init__(self, kernel, groups, grid, cfg, num_warps):
+    def __init__(self, kernel, groups, grid, cfg, num_warps, max_registers=0):
         self.kernel, self.groups, self.grid, self.num_warps = kernel, groups, grid, num_warps
+        # Triton's `maxnreg` compile option (registers per thread), where a rule caps them.
+        self.options = dict(maxnreg=max_registers) if max_registers else {}
         self.cfg, self.plain_cfg = cfg, tuple(cfg)
         self.runners = {}
         self.tensor_paths = None
@@ -817,7 +829,7 @@ class _Launch:
         """Launch through Triton's JIT; returns the compiled kernel."""
         named = [_as_group(arg, group) for arg, group in zip(args, self.groups)]
         return self.kernel[self.grid](*named, *args[len(self.groups):], self.cfg,
-                                      num_warps=self.num_warps)
+                                      num_warps=self.num_warps, **self.options)
 
     def __call__(self, *args):
         # How to launch follows the real environment (tests vary the launch rule alone,
@@ -1372,7 +1384,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     return _QKVPlan(
         _Launch(rotary_qkv_kernel,
                 (InOut, InOut, InOut, Angles, Angles, Positions, QKVShape, Norm, Norm),
-                grid, cfg, num_warps),
+                grid, cfg, num_warps,
+                rule.qkv_norm_backward_max_registers if cfg.PIPELINE_STAGES else 0),
         split,
         # (seq, batch, then the remaining dims) strides of each view
         view_strides=tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:]) for x in views),
