@@ -2025,7 +2025,7 @@ _QK_CASES = {
 
 
 @pytest.mark.parametrize("name", list(_QK_CASES))
-def test_qk_pair_matches_separate_calls(name):
+def test_qk_pair_matches_separate_calls(name, monkeypatch):
     """apply_rotary_pos_emb_qk equals apply_rotary_pos_emb of q and of k, forward and
     backward, bit for bit (the same arithmetic, the angles shared by both tiles), in one
     launch of rotary_qk_kernel each way; q and k may be views of another layout."""
@@ -2053,13 +2053,11 @@ def test_qk_pair_matches_separate_calls(name):
     def counting(launch, *args):
         launches[launch.kernel.fn.__name__] += 1
         real_call(launch, *args)
-    triton_rotary_launch._Launch.__call__ = counting
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(triton_rotary_launch._Launch, "__call__", counting)
         out_q, out_k = apply_rotary_pos_emb_qk(q, k, freqs, fmt, **options)
         grads = (torch.randn_like(out_q), torch.randn_like(out_k))
         grad_q, grad_k = torch.autograd.grad((out_q, out_k), (q, k), grads)
-    finally:
-        triton_rotary_launch._Launch.__call__ = real_call
     assert launches == {"rotary_qk_kernel": 2}, launches
     for x, out, grad, dx in ((q, out_q, grads[0], grad_q), (k, out_k, grads[1], grad_k)):
         x2 = x.detach().requires_grad_(True)
