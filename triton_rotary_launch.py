@@ -151,9 +151,10 @@ NORM_PIPELINE_STAGES = 3
 # one kernel: uncapped, it takes 148-150 registers a thread (Triton 3.6, sm_90), so 3 programs
 # of 4 warps fit an SM where NORM_BACKWARD_WARPS_PER_SM plans 4, and a quarter of the programs
 # ran in a second wave. Capped (Triton's `maxnreg`), it compiles to 128 without spilling.
-# Kernels alone, in copies of qkv, H200 (artifacts/qknorm/qkv_registers_ab_*): Qwen3-8B 2.09 ->
-# 1.61, Gemma 3 2.04 -> 1.60. The unpipelined variants (TE's table, 2 warps, about 118
-# registers) fit uncapped and ran 2-3% slower capped.
+# Kernels alone, in copies of qkv, H100 / H200 (artifacts/qknorm/qkv_registers_ab_*, with
+# norm_programs rounding down): Qwen3-8B 1.87 -> 1.70 / 2.09 -> 1.60, Gemma 3 1.72 -> 1.58 /
+# 2.04 -> 1.59. The unpipelined variants (TE's table, 2 warps, about 118 registers) fit
+# uncapped and ran 2-3% slower capped on the H200.
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
