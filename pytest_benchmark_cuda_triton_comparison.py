@@ -2069,9 +2069,85 @@ def test_qk_pair_matches_separate_calls(name, monkeypatch):
         torch.testing.assert_close(out.detach(), unfused, equal_nan=True)
 
 
+_QK_NORM_CASES = {
+    # name: (q shape, k shape, format, angles, options, norm_over, the launches of forward and
+    # backward besides the weight gradients' second pass, under the GPU launch rule)
+    "4:1 heads, exact angles": ((6, 2, 4, 32), (6, 2, 1, 32), "sbhd", "module", {}, "head",
+                                {"rotary_qk_kernel": 2}),
+    # A table's forward tiles of one head take other warps than those of four: two launches.
+    "4:1 heads, table": ((6, 2, 4, 32), (6, 2, 1, 32), "sbhd", "table", {}, "head",
+                         {"rotary_kernel": 2, "rotary_qk_kernel": 1}),
+    "thd, tokens outside sequences, offset": ((15, 4, 32), (15, 1, 32), "thd", "module",
+                                              {"cu_seqlens": [2, 7, 7, 13], "norm_offset": 1.0},
+                                              "head", {"rotary_qk_kernel": 2,
+                                                       "sequence_positions_kernel": 1}),
+    "k has more heads, interleaved, inverse": ((6, 2, 3, 32), (6, 2, 5, 32), "sbhd", "interleaved",
+                                               {"inverse": True}, "head", {"rotary_qk_kernel": 2}),
+    "bshd view, partial rotary, start_positions": ((2, 7, 8, 32), (2, 7, 2, 32), "bshd", "half",
+                                                   {"start_positions": [3, 1]}, "head",
+                                                   {"rotary_qk_kernel": 2}),
+    # The same tiles for q and k: two launches each way (`_joins`).
+    "norm over the token, 2 + 2 heads": ((6, 2, 2, 32), (6, 2, 2, 32), "sbhd", "module", {}, "token",
+                                         {"rotary_kernel": 4}),
+}
+
+
+@pytest.mark.parametrize("name", list(_QK_NORM_CASES))
+def test_qk_norm_pair_matches_separate_calls(name, monkeypatch):
+    """apply_rotary_pos_emb_qk with norms equals a call of apply_rotary_pos_emb with its norm
+    for q and one for k: outputs and input gradients bit for bit (each tensor keeps its own
+    tiles), the weights' gradients to float32 rounding (the backward's programs are shared
+    between q and k, so the partial sums add up in another grouping); launched as one
+    rotary_qk_kernel each way where q's and k's tiles allow it."""
+    q_shape, k_shape, fmt, angles, options, over, kernels = _QK_NORM_CASES[name]
+    torch.manual_seed(74)
+    freqs = {"table": RotaryPositionEmbedding(32, device=DEVICE)(16),
+             "half": RotaryPositionEmbedding(32, rotary_percent=0.5, device=DEVICE),
+             "module": RotaryPositionEmbedding(32, device=DEVICE),
+             "interleaved": RotaryPositionEmbedding(32, interleaved=True, device=DEVICE)}[angles]
+    options = dict(options, interleaved=angles == "interleaved", norm_over=over)
+    for key in ("cu_seqlens", "start_positions"):
+        if key in options:
+            options[key] = int_tensor(options[key])
+    width = (lambda shape: 32) if over == "head" else (lambda shape: shape[-2] * 32)
+    q = torch.randn(q_shape, device=DEVICE).requires_grad_(True)
+    k_buffer = torch.randn((*k_shape[:-1], 2 * k_shape[-1]), device=DEVICE)
+    k = k_buffer[..., ::2].detach().requires_grad_(True)              # channels strided
+    wq = (1 + 0.2 * torch.randn(width(q_shape), device=DEVICE)).requires_grad_(True)
+    wk = (1 + 0.2 * torch.randn(width(k_shape), device=DEVICE)).requires_grad_(True)
+    launches = collections.Counter()
+    real_call = triton_rotary_launch._Launch.__call__
+
+    def counting(launch, *args):
+        launches[launch.kernel.fn.__name__] += 1
+        real_call(launch, *args)
+    # The GPU's rule on one SM, as the interpreter plans it: the tiles, and so the launches,
+    # of these small inputs are then the same on a GPU.
+    monkeypatch.setattr(triton_rotary_launch, "_sm_count", lambda device: 1)
+    with monkeypatch.context() as patch, \
+            triton_rotary_launch.use_launch_rule(triton_rotary_launch.GPU_RULE):
+        patch.setattr(triton_rotary_launch._Launch, "__call__", counting)
+        outs = apply_rotary_pos_emb_qk(q, k, freqs, fmt, q_norm_weight=wq, k_norm_weight=wk,
+                                       **options)
+        grads = [torch.randn_like(o) for o in outs]
+        got = torch.autograd.grad(outs, (q, k, wq, wk), grads)
+    assert launches == {**kernels, "weight_gradient_kernel": 2}, launches
+    for i, (x, w) in enumerate(((q, wq), (k, wk))):
+        x2, w2 = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        with triton_rotary_launch.use_launch_rule(triton_rotary_launch.GPU_RULE):
+            ref = apply_rotary_pos_emb(x2, freqs, fmt, norm_weight=w2, **options)
+            dx, dw = torch.autograd.grad(ref, (x2, w2), grads[i])
+        torch.testing.assert_close(outs[i], ref, rtol=0, atol=0)
+        torch.testing.assert_close(got[i], dx, rtol=0, atol=0)
+        torch.testing.assert_close(got[2 + i], dw, rtol=1e-5, atol=1e-5)
+        unfused = apply_rotary_pos_emb(x.detach(), freqs, fmt, fused=False, norm_weight=w.detach(),
+                                       **options)
+        torch.testing.assert_close(outs[i].detach(), unfused, rtol=1e-5, atol=1e-5)
+
+
 def test_qk_pair_gradcheck_norms_and_bad_input():
-    """float64 gradcheck and gradgradcheck of the joint call; with norms, two fused calls
-    (the weights' gradients included); empty q or k; bad pairs named."""
+    """float64 gradcheck and gradgradcheck of the joint call, gradcheck with norms (the
+    weights' gradients included); empty q or k; bad pairs and bad weights named."""
     torch.manual_seed(72)
     f64 = dict(device=DEVICE, dtype=torch.float64)
     module = RotaryPositionEmbedding(8, rotary_percent=0.5, device=DEVICE)
@@ -2080,20 +2156,12 @@ def test_qk_pair_gradcheck_norms_and_bad_input():
     assert torch.autograd.gradcheck(lambda a, b: apply_rotary_pos_emb_qk(a, b, module), (q, k))
     assert torch.autograd.gradgradcheck(lambda a, b: apply_rotary_pos_emb_qk(a, b, module), (q, k))
 
-    wq = torch.randn(8, device=DEVICE, requires_grad=True)
-    wk = torch.randn(8, device=DEVICE, requires_grad=True)
-    qf, kf = q.float().detach().requires_grad_(True), k.float().detach().requires_grad_(True)
+    wq = torch.randn(8, **f64, requires_grad=True)
+    wk = torch.randn(8, **f64, requires_grad=True)
     norms = dict(norm_eps=1e-5, norm_offset=1.0)
-    outs = apply_rotary_pos_emb_qk(qf, kf, module, q_norm_weight=wq, k_norm_weight=wk, **norms)
-    grads = torch.autograd.grad(outs, (qf, kf, wq, wk), [torch.ones_like(o) for o in outs])
-    refs = []
-    for x, w in ((qf, wq), (kf, wk)):
-        x2, w2 = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-        out = apply_rotary_pos_emb(x2, module, norm_weight=w2, **norms)
-        refs.append((out, *torch.autograd.grad(out, (x2, w2), torch.ones_like(out))))
-    for got, want in ((outs[0], refs[0][0]), (outs[1], refs[1][0]), (grads[0], refs[0][1]),
-                      (grads[1], refs[1][1]), (grads[2], refs[0][2]), (grads[3], refs[1][2])):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c, d: apply_rotary_pos_emb_qk(a, b, module, q_norm_weight=c, k_norm_weight=d,
+                                                   **norms), (q, k, wq, wk))
 
     empty_q = torch.randn(3, 2, 0, 8, **f64)
     out_q, out_k = apply_rotary_pos_emb_qk(empty_q, k.detach(), module)
@@ -2105,7 +2173,11 @@ def test_qk_pair_gradcheck_norms_and_bad_input():
            (k.detach().float(), {}, ValueError, "k must have q's dtype"),
            ([1.0], {}, TypeError, "k must be a torch.Tensor"),
            (k.detach(), {"q_norm_weight": torch.ones(8, **f64)},
-            ValueError, "q_norm_weight and k_norm_weight together")]
+            ValueError, "q_norm_weight and k_norm_weight together"),
+           (k.detach(), {"q_norm_weight": torch.ones(8, **f64), "k_norm_weight": torch.ones(4, **f64)},
+            ValueError, r"k_norm_weight must have shape \[d\] = \[8\]"),
+           (k.detach(), {"q_norm_weight": torch.ones(8, dtype=torch.int32), "k_norm_weight": torch.ones(8, **f64)},
+            TypeError, "q_norm_weight must be float32")]
     for k_bad, extra, error, message in bad:
         for fused in (True, False):
             with pytest.raises(error, match=message):
@@ -2542,8 +2614,8 @@ def test_torch_compile_qk_pair():
 
 
 def test_torch_compile_qk_norm():
-    """fullgraph=True through the QK-norm forms of both entry points: the same outputs and
-    gradients (inputs and weights) as eager."""
+    """fullgraph=True through the QK-norm forms of the three entry points: the same outputs
+    and gradients (inputs and weights) as eager."""
     torch.manual_seed(46)
     freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
 
@@ -2551,7 +2623,9 @@ def test_torch_compile_qk_norm():
         y = apply_rotary_pos_emb(x, freqs, norm_weight=w, norm_over="token")
         q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], q_norm_weight=wq,
                                                  k_norm_weight=wk, norm_offset=1.0)
-        return y.square().sum() + (q * 2).sum() + k.square().sum() + v.sum()
+        q2, k2 = apply_rotary_pos_emb_qk(x, qkv[..., 32:48], freqs, q_norm_weight=wq, k_norm_weight=wk)
+        return (y.square().sum() + (q * 2).sum() + k.square().sum() + v.sum() + q2.square().sum()
+                + (k2 * 3).sum())
 
     inputs = [torch.randn(8, 2, 3, 16, device=DEVICE), torch.randn(8, 2, 1, 64, device=DEVICE),
               torch.randn(48, device=DEVICE), torch.randn(16, device=DEVICE), torch.randn(16, device=DEVICE)]
@@ -2676,6 +2750,13 @@ def _opcheck_cases():
         ("qkv_rope norm", ops.qkv_rope.default,
          (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None,
           False, torch.randn(10, device=DEVICE), torch.randn(10, device=DEVICE), 1e-6, 0.0)),
+        ("rope_qk_norm", ops.rope_qk_norm.default,
+         (t, t[:, :, :1], torch.randn(10, device=DEVICE), *angles, "sbhd", None, False, None, 1, 0, None, False,
+          False, torch.randn(10, device=DEVICE), 1e-6, 1.0, "head")),
+        ("rope_qk_norm_backward", ops.rope_qk_norm_backward.default,
+         (torch.randn_like(t), torch.randn(4, 2, 1, 10, device=DEVICE), t, t[:, :, 1:], torch.randn(10, device=DEVICE),
+          *table, "sbhd", None, False, None, 1, 0, None, False, True, torch.randn(10, device=DEVICE), 1e-6, 0.5,
+          "head")),
         ("qkv_rope_norm_backward", ops.qkv_rope_norm_backward.default,
          (*grads, qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0,
           None, False, torch.randn(10, device=DEVICE), torch.randn(10, device=DEVICE), 1e-6, 1.0)),
@@ -2684,7 +2765,8 @@ def _opcheck_cases():
 
 _OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd inverse", "rope_ table", "rope_qk module backward",
                   "rope_ module inverse", "qkv_rope table", "qkv_rope module inverse", "qkv_rope_backward",
-                  "rope norm", "rope_ norm", "rope_norm_backward", "qkv_rope norm", "qkv_rope_norm_backward")
+                  "rope norm", "rope_ norm", "rope_norm_backward", "rope_qk_norm", "rope_qk_norm_backward",
+                  "qkv_rope norm", "qkv_rope_norm_backward")
 
 
 @pytest.mark.parametrize("name", _OPCHECK_NAMES)
@@ -3045,7 +3127,9 @@ def _planned_calls():
                   lambda f=freqs: rope(t_thd, f, "thd", cu_seqlens=cu_seqlens, **head),
                   lambda f=freqs: qkv(packed, f, f, split, **qk_norm),
                   lambda f=freqs: qk(t, t[:, :, :8], f),
-                  lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens)]
+                  lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens),
+                  lambda f=freqs: qk(t[:, :, :4], t[:, :, :1], f, **qk_norm),
+                  lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens, **qk_norm)]
     calls += [lambda: rope(t, half), lambda: rope(t, half, **head),
               lambda: rope(t, exact, positions=torch.arange(s, device=DEVICE)),
               lambda: rope(t, mrope, positions=axis_positions),
@@ -3075,8 +3159,8 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     def record(launch, *args):
         named = [triton_rotary_launch._as_group(a, g) for a, g in zip(args, launch.groups)]
         entry = rope_sass_probe.launch_record(launch.kernel.fn, (*named, *args[len(launch.groups):]),
-                                              launch.cfg, launch.num_warps, launch.options)
-        cfg = launch.cfg
+                                              launch.constexprs, launch.num_warps, launch.options)
+        cfg = launch.constexprs[0]
         kind = (launch.kernel.fn.__name__, getattr(cfg, "NORM", None), getattr(cfg, "BACKWARD", None),
                 getattr(cfg, "PIPELINE_STAGES", 0) > 0)
         records[json.dumps(entry, sort_keys=True)] = kind, entry
@@ -3087,9 +3171,10 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     kinds = {kind for kind, _ in records.values()}
     # The RoPE kernels with and without a norm, forward and backward, pipelined or not, the
     # second pass of the norm's weight gradient, the thd positions pre-pass, and q and k
-    # together forward and backward; the fused QKV's norm backward pipelined.
-    assert len(kinds) == 17, sorted(kinds)
+    # together forward and backward, with norms too; the fused QKV's norm backward pipelined.
+    assert len(kinds) == 20, sorted(kinds)
     assert ("rotary_qk_kernel", 0, True, False) in kinds, sorted(kinds)
+    assert ("rotary_qk_kernel", 1, True, True) in kinds, sorted(kinds)
     assert ("rotary_qkv_kernel", 1, True, True) in kinds, sorted(kinds)
     assert ("sequence_positions_kernel", None, None, False) in kinds, sorted(kinds)
     # The fused QKV's pipelined norm backward alone caps its registers

@@ -160,12 +160,10 @@ def make_lines(P, mode):
     kw.update(ours_fmt)
     g_ours = lambda S: (view(S.gq), view(S.gk))
     lines = {"copy": None}
-    lines["ours"] = lambda S: ((trm.apply_rotary_pos_emb(view(S.q), P.rope, norm_weight=wq, **kw),
-                                trm.apply_rotary_pos_emb(view(S.k), P.rope, norm_weight=wk, **kw)),
-                               ins(S), g_ours(S))
-    lines["ours_table"] = lambda S: (
-        (trm.apply_rotary_pos_emb(view(S.q), P.freqs, norm_weight=wq, **kw),
-         trm.apply_rotary_pos_emb(view(S.k), P.freqs, norm_weight=wk, **kw)), ins(S), g_ours(S))
+    lines["ours"] = lambda S: (trm.apply_rotary_pos_emb_qk(view(S.q), view(S.k), P.rope, q_norm_weight=wq,
+                                                           k_norm_weight=wk, **kw), ins(S), g_ours(S))
+    lines["ours_table"] = lambda S: (trm.apply_rotary_pos_emb_qk(view(S.q), view(S.k), P.freqs, q_norm_weight=wq,
+                                                                 k_norm_weight=wk, **kw), ins(S), g_ours(S))
     if P.qkv_ok:
         d = cfg["d"]
         split = [cfg["hq"] // cfg["hk"] * d, d, d]

@@ -58,7 +58,7 @@ def example_arguments(cfg):
 
 def signature(fn, args, unspecialized=UNSPECIALIZED):
     """ASTSource's (signature, constexprs, attrs) for `args`, specialized as Triton's JIT
-    specializes a call: None and a last parameter annotated constexpr as constants, an integer
+    specializes a call: None and the parameters annotated constexpr as constants, an integer
     1 as a constant, a pointer (its type string) and an integer divisible by 16 with that
     divisibility; `unspecialized` names are plain int32."""
     constexprs, attrs = {}, {}
@@ -85,8 +85,9 @@ def signature(fn, args, unspecialized=UNSPECIALIZED):
         return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
 
     sig = {}
+    annotated = {p.name for p in fn.params if p.is_constexpr}
     for i, (name, value) in enumerate(zip(fn.arg_names, args)):
-        if name == fn.arg_names[-1]:
+        if name in annotated:
             sig[name], constexprs[name] = "constexpr", value
         elif name in unspecialized:
             sig[name] = "i32"
@@ -137,11 +138,12 @@ _POINTER_TYPES = {"float64": "*fp64", "float32": "*fp32", "bfloat16": "*bf16", "
                   "int64": "*i64", "int32": "*i32"}
 
 
-def launch_record(kernel, args, cfg, num_warps, options=None):
+def launch_record(kernel, args, constexprs, num_warps, options=None):
     """A planned launch as JSON: the kernel's name, its arguments (NamedTuples as
     {"group": name, "fields": [...]}, a tensor as its pointer type), its compile-time choices
-    (`cfg`, a Variant or a WeightGradientTile, as a group), the warps and the other compile
-    options it passes (`maxnreg`)."""
+    (`constexprs`, the last arguments: a Variant or a WeightGradientTile, as a group; q's and
+    k's Variants for rotary_qk_kernel), the warps and the other compile options it passes
+    (`maxnreg`)."""
     def encode(value):
         if hasattr(value, "_fields"):
             return {"group": type(value).__name__, "fields": [encode(v) for v in value]}
@@ -150,7 +152,7 @@ def launch_record(kernel, args, cfg, num_warps, options=None):
         if hasattr(value, "data_ptr"):
             return _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
         return value
-    return {"kernel": kernel.__name__, "args": [encode(a) for a in args], "cfg": encode(cfg),
+    return {"kernel": kernel.__name__, "args": [encode(a) for a in args], "constexprs": [encode(c) for c in constexprs],
             "num_warps": num_warps, "options": dict(options or {})}
 
 
@@ -163,7 +165,7 @@ def compile_launch(record):
             return tuple(map(decode, value))
         return value
     fn = getattr(K, record["kernel"])
-    args = (*map(decode, record["args"]), decode(record["cfg"]))
+    args = (*map(decode, record["args"]), *map(decode, record["constexprs"]))
     sig, constexprs, attrs = signature(fn, args)
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32),

@@ -147,7 +147,9 @@ class QKShape(NamedTuple):
     k_heads: int
     head_dim: int      # d, of q and k
     rotary_dim: int
-    head_programs: int  # programs per token block, each BLOCK_H query and BLOCK_KV key heads
+    head_programs: int  # without norms: programs per token block, each BLOCK_H query and
+    #                     BLOCK_KV key heads
+    q_programs: int     # with norms: the grid's first q_programs programs are q's, the rest k's
 
 
 class Tokens(NamedTuple):
@@ -226,16 +228,9 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
         norm = _typed_norm(norm)
     head_programs = tl.cdiv(shape.nheads, cfg.BLOCK_H)
     tok_block, head_block = _program_block(head_programs, cfg.FLAT_GRID)
-    heads = head_block * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
-    tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
-    if cfg.NORM != NO_NORM and cfg.BACKWARD:
-        dw1, dw2, dw_pass = _norm_backward_tiles(
-            tok_block, _token_programs(head_programs, cfg), x, out, None, heads, 1, shape, 0,
-            tokens, angles, positions, norm, cfg)
-        _store_dw(norm, tok_block * head_programs + head_block, heads, shape, dw1, dw2, dw_pass,
-                  cfg)
-    else:
-        _rope_tile(tok_block, x, out, heads, 1, shape, tokens, angles, positions, norm, cfg)
+    _tensor_program(tok_block, head_block, head_programs, _token_programs(head_programs, cfg), x,
+                    out, angles, positions, shape, norm,
+                    Tokens(num_tokens, seq_len, batch, cp_size, cp_rank), cfg)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -281,21 +276,68 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
-def rotary_qk_kernel(q, k, angles, positions, shape, num_tokens, seq_len, batch, cp_size,
-                     cp_rank, cfg: tl.constexpr):
-    """RoPE of q and k (InOuts) by the same angles, in one launch; `shape` a QKShape. A
-    program takes BLOCK_H query heads and BLOCK_KV key heads of a token block and works their
-    angles out once for both (`_rope_pair_tile`): a token's key heads are few (one per 4-8
-    query heads under GQA, one per rank under tensor parallelism), and a tile of key heads
-    alone works out about as many angles as it rotates pairs."""
+def rotary_qk_kernel(q, k, angles, positions, shape, q_norm, k_norm, num_tokens, seq_len, batch,
+                     cp_size, cp_rank, cfg: tl.constexpr, k_cfg: tl.constexpr):
+    """RoPE of q and k (InOuts) by the same angles, in one launch; `shape` a QKShape.
+
+    Without norms (k_cfg None), a program takes BLOCK_H query heads and BLOCK_KV key heads of
+    a token block and works their angles out once for both (`_rope_pair_tile`): a token's key
+    heads are few (one per 4-8 query heads under GQA, one per rank under tensor parallelism),
+    and a tile of key heads alone works out about as many angles as it rotates pairs.
+
+    With norms (q_norm and k_norm Norms), the launch is q's rotary_kernel launch (tiles of
+    `cfg`) and k's (tiles of `k_cfg`) on one flat grid, q's programs first: each tensor keeps
+    the tiles of its own call (a key tile sized to share the query's tokens would be a
+    quarter of one), and the launch saves one launch and its tail per step."""
     q, k = _typed_in_out(q), _typed_in_out(k)
-    tok_block, head_program = _program_block(shape.head_programs, cfg.FLAT_GRID)
-    q_heads = head_program * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
-    k_heads = head_program * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
-    _rope_pair_tile(tok_block, q, k, q_heads, k_heads,
-                    HeadShape(shape.q_heads, shape.head_dim, shape.rotary_dim),
-                    HeadShape(shape.k_heads, shape.head_dim, shape.rotary_dim),
-                    Tokens(num_tokens, seq_len, batch, cp_size, cp_rank), angles, positions, cfg)
+    tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
+    q_shape = HeadShape(shape.q_heads, shape.head_dim, shape.rotary_dim)
+    k_shape = HeadShape(shape.k_heads, shape.head_dim, shape.rotary_dim)
+    if k_cfg is None:
+        tok_block, head_program = _program_block(shape.head_programs, cfg.FLAT_GRID)
+        q_heads = head_program * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
+        k_heads = head_program * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
+        _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles,
+                        positions, cfg)
+    else:
+        if cfg.BACKWARD:
+            q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
+        pid = tl.program_id(0)
+        if pid < shape.q_programs:
+            _flat_program(pid, shape.q_programs, q.src, q.dst, angles, positions, q_shape, q_norm,
+                          tokens, cfg)
+        else:
+            _flat_program(pid - shape.q_programs, tl.num_programs(0) - shape.q_programs, k.src,
+                          k.dst, angles, positions, k_shape, k_norm, tokens, k_cfg)
+
+
+@triton.jit
+def _tensor_program(tok_block, head_block, head_programs, token_programs, x, out, angles,
+                    positions, shape, norm, tokens, cfg: tl.constexpr):
+    """A program of a rotary_kernel launch of head_programs programs per token block: the
+    tile of token block tok_block and head block head_block; the backward of a norm, that of
+    every token_programs-th token block from tok_block on (`_norm_backward_tiles`), and its
+    row of dL/dweight's partial sums."""
+    heads = head_block * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
+    if cfg.NORM != NO_NORM and cfg.BACKWARD:
+        dw1, dw2, dw_pass = _norm_backward_tiles(
+            tok_block, token_programs, x, out, None, heads, 1, shape, 0, tokens, angles,
+            positions, norm, cfg)
+        _store_dw(norm, tok_block * head_programs + head_block, heads, shape, dw1, dw2, dw_pass,
+                  cfg)
+    else:
+        _rope_tile(tok_block, x, out, heads, 1, shape, tokens, angles, positions, norm, cfg)
+
+
+@triton.jit
+def _flat_program(pid, programs, x, out, angles, positions, shape, norm, tokens,
+                  cfg: tl.constexpr):
+    """Program `pid` of a rotary_kernel launch of `programs` programs on a flat grid (a token
+    block's head programs adjacent, as `_program_block` numbers them)."""
+    head_programs = tl.cdiv(shape.nheads, cfg.BLOCK_H)
+    tok_block = pid // head_programs
+    _tensor_program(tok_block, pid - tok_block * head_programs, head_programs,
+                    programs // head_programs, x, out, angles, positions, shape, norm, tokens, cfg)
 
 
 # WORKAROUND(Triton 3.5.1, the NVIDIA container 25.12's; 3.6 and later need none): a kernel's

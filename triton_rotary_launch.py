@@ -383,13 +383,15 @@ def _weight_as_read(norm):
     return weight
 
 
-def norm_programs(token_blocks, head_programs, device, rule, num_warps):
+def norm_programs(token_blocks, head_programs, device, rule, num_warps, gpu_share=1.0):
     """Programs along the tokens for the backward of a norm, of num_warps warps each: about
-    rule.norm_backward_warps_per_sm warps per SM in all, each program looping over its share
-    of the token blocks."""
+    rule.norm_backward_warps_per_sm warps per SM in all (`gpu_share` of them, where a launch
+    shares the GPU with another tensor's programs), each program looping over its share of
+    the token blocks."""
     per_sm = max(1, rule.norm_backward_warps_per_sm // num_warps)
     # Rounded down: programs past what is resident at once would run after the others, alone.
-    return max(1, min(token_blocks, per_sm * _sm_count(device) // head_programs))
+    resident = int(per_sm * _sm_count(device) * gpu_share)
+    return max(1, min(token_blocks, resident // head_programs))
 
 
 def _norm_group(norm, norm_input, partial):
@@ -822,14 +824,18 @@ class _Launch:
         self.kernel, self.groups, self.grid, self.num_warps = kernel, groups, grid, num_warps
         # Triton's `maxnreg` compile option (registers per thread), where a rule caps them.
         self.options = dict(maxnreg=max_registers) if max_registers else {}
-        self.cfg, self.plain_cfg = cfg, tuple(cfg)
+        # The kernel's compile-time arguments, last: `cfg`, a Variant (or the like), or a
+        # plain tuple of them for a kernel that takes several (rotary_qk_kernel: q's and k's).
+        self.cfg = cfg
+        self.constexprs = cfg if type(cfg) is tuple else (cfg,)
+        self.plain_cfg = tuple(None if c is None else tuple(c) for c in self.constexprs)
         self.runners = {}
         self.tensor_paths = None
 
     def jit(self, *args):
         """Launch through Triton's JIT; returns the compiled kernel."""
         named = [_as_group(arg, group) for arg, group in zip(args, self.groups)]
-        return self.kernel[self.grid](*named, *args[len(self.groups):], self.cfg,
+        return self.kernel[self.grid](*named, *args[len(self.groups):], *self.constexprs,
                                       num_warps=self.num_warps, **self.options)
 
     def __call__(self, *args):
@@ -849,7 +855,7 @@ class _Launch:
         key = tuple(key)
         runner = self.runners.get(key)
         if runner is not None:
-            runner(*args, self.plain_cfg)
+            runner(*args, *self.plain_cfg)
             return
         runner = _compiled_runner(self.jit(*args), self.grid)
         if runner is not None:
@@ -892,6 +898,20 @@ class _RopePlan(NamedTuple):
     weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
     positions_pass: object = None    # thd backward of a norm: sequence_positions_kernel's launch
     k_strides: tuple = ()        # q and k together (rotary_qk_kernel): k's, and its result's
+
+
+class _QKNormPlan(NamedTuple):
+    """A validated call to rotary_qk_kernel with norms: q's and k's plans as set_rotary_kernel
+    makes them (each its tiles, strides, tokens and weight gradient), their joint launch, and
+    the thd backward's positions pre-pass, which serves both."""
+    launch: object
+    q: _RopePlan
+    k: _RopePlan
+    shape: tuple = ()            # QKShape's fields
+    positions_pass: object = None
+
+
+_QK_GROUPS = (InOut, InOut, Angles, Positions, QKShape, Norm, Norm)
 
 
 class _QKVPlan(NamedTuple):
@@ -986,12 +1006,16 @@ def _positions_mode(source, positions):
 
 
 def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
-               interleaved, backward, out, positions, inverse, norm, norm_input, k=None):
-    """The plan of a call of set_rotary_kernel, or with `k`, of set_rotary_qk_kernel (`t`
-    then being q)."""
+               interleaved, backward, out, positions, inverse, norm, norm_input, k=None,
+               name="t", gpu_share=1.0):
+    """The plan of a call of set_rotary_kernel, or with `k`, of set_rotary_qk_kernel without
+    norms (`t` then being q). `name`: t's name in errors (its norm's arguments are then
+    `{name}_norm_weight`, `{name}_input`); `gpu_share`: the share of the GPU's resident
+    programs a norm's backward takes (`norm_programs`)."""
+    if k is not None:
+        name = "q"
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
-                            cp_rank, interleaved, positions, inverse=inverse,
-                            t_name="t" if k is None else "q")
+                            cp_rank, interleaved, positions, inverse=inverse, t_name=name)
     if k is not None:
         check_qk_pair(t, k)
         k_shape = check_rope_args(k, source, tensor_format, start_positions, cu_seqlens, cp_size,
@@ -999,9 +1023,11 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     if norm is not None:
         if not isinstance(norm, RMSNorm):
             raise TypeError(f"norm must be an RMSNorm or None, got {type(norm).__name__}")
-        check_norm(norm, t, shape.nheads, shape.head_dim)
+        prefix = "" if name == "t" else f"{name}_"
+        check_norm(norm, t, shape.nheads, shape.head_dim, prefix=f"{prefix}norm_")
         if backward:
-            _check_norm_input(norm_input, t)
+            _check_norm_input(norm_input, t, f"{prefix}norm_input" if name == "t" else
+                              f"{name}_input")
     in_place = out is t
     if in_place and _overlaps_itself(t):
         raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "
@@ -1058,7 +1084,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         tile["BLOCK_KV"] = triton.next_power_of_2(triton.cdiv(k_shape.nheads, head_programs))
         head_programs = max(head_programs, triton.cdiv(k_shape.nheads, tile["BLOCK_KV"]))
     if norm_backward:
-        token_blocks = norm_programs(token_blocks, head_programs, t.device, rule, num_warps)
+        token_blocks = norm_programs(token_blocks, head_programs, t.device, rule, num_warps,
+                                     gpu_share)
     grid, flat_grid = _program_grid(token_blocks, head_programs)
     # Read positions leave start_positions and the search to the pre-pass: a Variant without
     # them compiles once whatever the number of sequences.
@@ -1079,10 +1106,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                          cfg, num_warps)
         kernel_shape = (shape.nheads, shape.head_dim, shape.rotary_dim)          # HeadShape
     else:
-        launch = _Launch(rotary_qk_kernel, (InOut, InOut, Angles, Positions, QKShape), grid,
-                         cfg, num_warps)
+        launch = _Launch(rotary_qk_kernel, _QK_GROUPS, grid, (cfg, None), num_warps)
         kernel_shape = (shape.nheads, k_shape.nheads, shape.head_dim, shape.rotary_dim,
-                        head_programs)                                          # QKShape
+                        head_programs, 0)                                       # QKShape
     return _RopePlan(
         launch,
         x_strides=x_strides, out_strides=out_strides,
@@ -1200,18 +1226,27 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
 
 def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None,
                          interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0, backward=False,
-                         positions=None, inverse=False):
+                         positions=None, inverse=False, q_norm=None, k_norm=None, q_input=None,
+                         k_input=None):
     """`set_rotary_kernel` of q and of k by the same angles, in one launch of
     `rotary_qk_kernel`: q and k of the same tokens and head dim, any head counts, any strides.
-    Returns (q's result, k's), contiguous."""
+    Returns (q's result, k's), contiguous. q_norm and k_norm (RMSNorms, both or neither)
+    normalize q and k before the rotation, in one launch where q's and k's own tiles allow it
+    (`_joins`), else in two; their backward reads the forward's q and k (q_input, k_input)
+    and returns (dq, dk, the gradient of q_norm.weight, that of k_norm.weight)."""
+    check_norm_pair(q_norm, k_norm)
+    norm_backward = q_norm is not None and backward
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and (
             q.numel() == 0 or k.numel() == 0):
         # Nothing to share: each its own call (the one with elements launches), of a valid pair.
         check_qk_pair(q, k)
-        return tuple(set_rotary_kernel(x, freqs, tensor_format, start_positions, interleaved,
-                                       cu_seqlens, cp_size, cp_rank, backward,
-                                       positions=positions, inverse=inverse) for x in (q, k))
-    q, k = (x.resolve_neg() if isinstance(x, torch.Tensor) else x for x in (q, k))
+        results = [set_rotary_kernel(x, freqs, tensor_format, start_positions, interleaved,
+                                     cu_seqlens, cp_size, cp_rank, backward, positions=positions,
+                                     inverse=inverse, norm=norm, norm_input=x_in)
+                   for x, norm, x_in in ((q, q_norm, q_input), (k, k_norm, k_input))]
+        return (*zip(*results),) if norm_backward else tuple(results)
+    q, k, q_input, k_input = (x.resolve_neg() if isinstance(x, torch.Tensor) else x
+                              for x in (q, k, q_input, k_input))
     source = _as_source(freqs, "freqs")
     if start_positions is not None or cu_seqlens is not None or positions is not None:
         start_positions, cu_seqlens, positions = map(_index_tensor,
@@ -1220,21 +1255,110 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
                start_positions, cu_seqlens, positions)
     values = ("qk", tensor_format, interleaved, cp_size, cp_rank, backward, inverse,
               *_source_key(source))
-    plan = _cached_plan(_metadata_key(tensors, values), lambda: _make_plan(
-        q, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
-        backward, None, positions, inverse, None, None, k))
+    if q_norm is None:
+        plan = _cached_plan(_metadata_key(tensors, values), lambda: _make_plan(
+            q, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
+            backward, None, positions, inverse, None, None, k))
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        k_strides, k_out_strides = plan.k_strides
+        # The kernel's groups as plain tuples, field by field (`_Launch` says why).
+        plan.launch(
+            ((q, plan.x_strides), (q_out, plan.out_strides)),                   # q: InOut
+            ((k, k_strides), (k_out, k_out_strides)),                           # k: InOut
+            _angles(source, plan.table),                                        # Angles
+            (positions, plan.position_strides, start_positions, cu_seqlens),    # Positions
+            plan.shape,                                                         # QKShape
+            None, None,                                                         # no norms
+            *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
+        return q_out, k_out
+    if backward:
+        tensors += (q_input, k_input)
+    values += (*_norm_key(q_norm), *_norm_key(k_norm))
+    plan = _cached_plan(_metadata_key(tensors, values), lambda: _make_qk_norm_plan(
+        q, k, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
+        backward, positions, inverse, q_norm, k_norm, q_input, k_input))
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    k_strides, k_out_strides = plan.k_strides
-    # The kernel's groups as plain tuples, field by field (`_Launch` says why).
-    plan.launch(
-        ((q, plan.x_strides), (q_out, plan.out_strides)),                       # q: InOut
-        ((k, k_strides), (k_out, k_out_strides)),                               # k: InOut
-        _angles(source, plan.table),                                            # Angles
-        (positions, plan.position_strides, start_positions, cu_seqlens),        # Positions
-        plan.shape,                                                             # QKShape
-        *plan.tokens)                 # num_tokens, seq_len, batch, cp_size, cp_rank
+    q_partial = k_partial = None
+    inputs = (None, None)
+    if backward:
+        q_partial = _partial_sums(plan.q.weight_gradient, q)
+        k_partial = _partial_sums(plan.k.weight_gradient, k)
+        inputs = ((q_input, plan.q.norm_input_strides), (k_input, plan.k.norm_input_strides))
+    if plan.positions_pass is not None:
+        positions = torch.empty(plan.q.tokens.num_tokens, dtype=torch.int64, device=q.device)
+        plan.positions_pass((None, (0, 0, 0), start_positions, cu_seqlens), positions,
+                            *plan.q.tokens)
+        start_positions = cu_seqlens = None
+    q_norm_group = _norm_group(q_norm, inputs[0], q_partial)
+    k_norm_group = _norm_group(k_norm, inputs[1], k_partial)
+    angles = _angles(source, plan.q.table)
+    positions_group = (positions, plan.q.position_strides, start_positions, cu_seqlens)
+    # The kernels' groups as plain tuples, field by field (`_Launch` says why).
+    if plan.launch is not None:
+        plan.launch(
+            ((q, plan.q.x_strides), (q_out, plan.q.out_strides)),               # q: InOut
+            ((k, plan.k.x_strides), (k_out, plan.k.out_strides)),               # k: InOut
+            angles, positions_group, plan.shape, q_norm_group, k_norm_group,
+            *plan.q.tokens)           # num_tokens, seq_len, batch, cp_size, cp_rank
+    else:
+        for x, out, x_plan, norm_group in ((q, q_out, plan.q, q_norm_group),
+                                           (k, k_out, plan.k, k_norm_group)):
+            x_plan.launch((x, x_plan.x_strides), (out, x_plan.out_strides), angles,
+                          positions_group, x_plan.shape, norm_group, *x_plan.tokens)
+    if backward:
+        return (q_out, k_out, _weight_gradient(plan.q.weight_gradient, q_partial, q_norm),
+                _weight_gradient(plan.k.weight_gradient, k_partial, k_norm))
     return q_out, k_out
+
+
+def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
+                       interleaved, backward, positions, inverse, q_norm, k_norm, q_input,
+                       k_input):
+    """The plan of set_rotary_qk_kernel with norms (q and k not empty): each tensor planned as
+    its own call of set_rotary_kernel, then both launched as one where that keeps each
+    tensor's tiles as they are (`_joins`); else the two launches. A norm's backward in one
+    launch keeps about as many programs resident as one call would, shared between q and k
+    in proportion to their sizes (each program loops over its share of the token blocks)."""
+    check_qk_pair(q, k)
+    for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if not isinstance(norm, RMSNorm):
+            raise TypeError(f"{name} must be an RMSNorm or None, got {type(norm).__name__}")
+
+    def plans(q_share):
+        return [_make_plan(x, source, tensor_format, start_positions, cu_seqlens, cp_size,
+                           cp_rank, interleaved, backward, None, positions, inverse, norm,
+                           x_input, name=name, gpu_share=share)
+                for x, norm, x_input, name, share in ((q, q_norm, q_input, "q", q_share),
+                                                      (k, k_norm, k_input, "k", 1.0 - q_share))]
+    q_plan, k_plan = plans(1.0)
+    if not _joins(q_plan.launch, k_plan.launch):
+        k_plan = plans(0.0)[1]
+        return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass)
+    if backward:
+        q_plan, k_plan = plans(q.numel() / (q.numel() + k.numel()))
+    q_launch, k_launch = q_plan.launch, k_plan.launch
+    q_programs, programs = q_launch.grid[0], q_launch.grid[0] + k_launch.grid[0]
+    if programs > _MAX_GRID_X:
+        raise ValueError(f"q and k need {programs} programs; a launch takes at most {_MAX_GRID_X}")
+    q_shape, k_shape = q_plan.shape, k_plan.shape                  # HeadShapes
+    return _QKNormPlan(
+        _Launch(rotary_qk_kernel, _QK_GROUPS, (programs, 1), (q_launch.cfg, k_launch.cfg),
+                q_launch.num_warps),
+        q_plan, k_plan, (q_shape[0], k_shape[0], q_shape[1], q_shape[2], 0, q_programs),  # QKShape
+        q_plan.positions_pass)
+
+
+def _joins(q_launch, k_launch):
+    """Whether q's and k's launches (with norms) go as one: where their tiles differ and take
+    the same warps. With the same tiles both branches of rotary_qk_kernel are the same code,
+    which the compiler merges into one that takes more registers than either (Triton 3.6,
+    sm_90: the backward of 4 + 4 heads 128 -> 135, OLMo 2's norm over 32 + 32 heads 128 ->
+    166), so that fewer programs are resident; OLMo 2's forward + backward, 2.62 -> 2.84
+    copies on the H100. With other warps, one tensor would run tiles sized for other warps:
+    Qwen3-8B's forward (2 and 4 warps), 1.015 -> 1.04 copies on the H100."""
+    return q_launch.cfg != k_launch.cfg and q_launch.num_warps == k_launch.num_warps
 
 
 def check_qkv_args(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions,

@@ -503,6 +503,25 @@ class QKRopeForwardAndBackward(torch.autograd.Function):
         return (*_rope_qk(grad_q, grad_k, call), None)
 
 
+class QKRopeNormForwardAndBackward(torch.autograd.Function):
+    """QK-norm then RoPE of q and k by the same angles: one launch of `rotary_qk_kernel`
+    forward and one backward (rotate back, the norms' transposes, dL/dweight as partial sums),
+    then each weight's reduction. `call.norm` holds q's norm; k's has its settings and
+    k_weight. Double backward raises (`_refuse_double_backward`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, call):
+        _save_rope_call(ctx, call, q, k, q_weight, k_weight)
+        return _rope_qk_norm(q, k, k_weight, call)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        _refuse_double_backward()
+        call, (q, k, q_weight, k_weight) = _backward_rope_call(ctx)
+        call = call._replace(norm=call.norm._replace(weight=q_weight))
+        return (*_rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, call), None)
+
+
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
 # shape-polymorphic node per launch instead of tracing (and specialising on) the launcher. A call
 # crosses an op flattened to the types an op takes; the schemas below are the one statement of
@@ -556,6 +575,24 @@ def _rope_qk_eager(q, k, call):
                                 call.transpose, call.positions, call.inverse)
 
 
+def _rope_qk_norm_eager(q, k, k_weight, call):
+    """`call` on q and k, q normalized by call.norm and k by that norm with k_weight, straight
+    to the launcher."""
+    return set_rotary_qk_kernel(q, k, call.source, call.tensor_format, call.start_positions,
+                                call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
+                                False, call.positions, call.inverse, call.norm,
+                                call.norm._replace(weight=k_weight))
+
+
+def _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, call):
+    """(dq, dk, dL/dq_weight, dL/dk_weight) of `_rope_qk_norm_eager`'s call, from the forward's
+    q and k."""
+    return set_rotary_qk_kernel(grad_q, grad_k, call.source, call.tensor_format,
+                                call.start_positions, call.interleaved, call.cu_seqlens,
+                                call.cp_size, call.cp_rank, True, call.positions, call.inverse,
+                                call.norm, call.norm._replace(weight=k_weight), q, k)
+
+
 def _rope_inplace_eager(t, call):
     set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions, call.interleaved,
                       call.cu_seqlens, call.cp_size, call.cp_rank, call.transpose, out=t,
@@ -596,6 +633,41 @@ def _(q, k, *args):
     return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
 
 
+def _check_rope_qk_norm_call(q, k, k_weight, call):
+    check_qk_pair(q, k)
+    _check_rope_call(q, call)
+    _check_rope_call(k, call._replace(norm=call.norm._replace(weight=k_weight)))
+
+
+@torch.library.custom_op("triton_rotary::rope_qk_norm", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor k_norm_weight, {_ROPE_CALL_SCHEMA}) "
+                                f"-> (Tensor, Tensor)")
+def _rope_qk_norm_op(q, k, k_weight, *args):
+    return _rope_qk_norm_eager(q, k, k_weight, _rope_call(*args))
+
+
+@_rope_qk_norm_op.register_fake
+def _(q, k, k_weight, *args):
+    _check_rope_qk_norm_call(q, k, k_weight, _rope_call(*args))
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
+
+
+@torch.library.custom_op("triton_rotary::rope_qk_norm_backward", mutates_args=(),
+                         schema=f"(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, "
+                                f"Tensor k_norm_weight, {_ROPE_CALL_SCHEMA}) "
+                                f"-> (Tensor, Tensor, Tensor, Tensor)")
+def _rope_qk_norm_backward_op(grad_q, grad_k, q, k, k_weight, *args):
+    return _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, _rope_call(*args))
+
+
+@_rope_qk_norm_backward_op.register_fake
+def _(grad_q, grad_k, q, k, k_weight, *args):
+    call = _rope_call(*args)
+    _check_rope_qk_norm_call(q, k, k_weight, call)
+    return (*(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k)),
+            torch.empty_like(call.norm.weight), torch.empty_like(k_weight))
+
+
 @torch.library.custom_op("triton_rotary::rope_", mutates_args=("t",),
                          schema=f"(Tensor(a!) t, {_ROPE_CALL_SCHEMA}) -> ()")
 def _rope_inplace_op(t, *args):
@@ -629,6 +701,19 @@ def _rope(t, call):
 def _rope_qk(q, k, call):
     """One launch of rotary_qk_kernel: `call` on q and k."""
     return _compiled_or_eager(_rope_qk_op, _rope_qk_eager, (q, k), call, _rope_op_args)
+
+
+def _rope_qk_norm(q, k, k_weight, call):
+    """One launch of rotary_qk_kernel with norms: `call` on q and k."""
+    return _compiled_or_eager(_rope_qk_norm_op, _rope_qk_norm_eager, (q, k, k_weight), call,
+                              _rope_op_args)
+
+
+def _rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, call):
+    """One launch of rotary_qk_kernel and the weights' reductions: the backward of a QK-norm
+    call on q and k."""
+    return _compiled_or_eager(_rope_qk_norm_backward_op, _rope_qk_norm_backward_eager,
+                              (grad_q, grad_k, q, k, k_weight), call, _rope_op_args)
 
 
 def _rope_norm_backward(grad, t, call):
@@ -875,16 +960,22 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
     k's). q and k: the same format, tokens, head dim and dtype, any head counts (GQA, a rank
     of tensor parallelism). The other arguments are `apply_rotary_pos_emb`'s, for both.
 
-    Without norms, one launch rotates both, forward and backward: a program takes a token
-    block's query heads and a share of its key heads and works their angles out once.
-    With norms (q_norm_weight and k_norm_weight, both or neither; `norm_over`, `norm_eps`
-    and `norm_offset` shared) each is its own fused call of `apply_rotary_pos_emb`: the
-    joint launch measured slower in the norm's backward (docs/results.md).
+    One launch rotates both, forward and backward. Without norms a program takes a token
+    block's query heads and a share of its key heads and works their angles out once. With
+    norms (q_norm_weight and k_norm_weight, both or neither; `norm_over`, `norm_eps` and
+    `norm_offset` shared) q's programs and k's share the launch, each with the tiles of its
+    own call of `apply_rotary_pos_emb`, where those tiles differ and take the same warps
+    (else two launches, as two calls would make: triton_rotary_launch._joins says why).
     """
     check_norm_pair(q_norm_weight, k_norm_weight)
-    if q_norm_weight is not None or not fused:
-        # Two calls: their own checks do not compare q with k. (One launch: its plan does.)
+    if not fused:
+        # Two calls: their own checks do not compare q with k, nor name q's and k's weights.
+        # (One launch: its plan does.)
         check_qk_pair(q, k)
+        for name, x, weight in (("q", q, q_norm_weight), ("k", k, k_norm_weight)):
+            if weight is not None and x.dim() >= 2:
+                check_norm(_rms_norm(weight, norm_eps, norm_offset, norm_over), x, x.shape[-2],
+                           x.shape[-1], prefix=f"{name}_norm_")
         kw = dict(tensor_format=tensor_format, start_positions=start_positions,
                   interleaved=interleaved, fused=fused, cu_seqlens=cu_seqlens, cp_size=cp_size,
                   cp_rank=cp_rank, positions=positions, inverse=inverse, norm_eps=norm_eps,
@@ -892,7 +983,12 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
         return (apply_rotary_pos_emb(q, freqs, norm_weight=q_norm_weight, **kw),
                 apply_rotary_pos_emb(k, freqs, norm_weight=k_norm_weight, **kw))
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
-                    cu_seqlens, cp_size, cp_rank, positions, inverse, False)
+                    cu_seqlens, cp_size, cp_rank, positions, inverse, False,
+                    _rms_norm(q_norm_weight, norm_eps, norm_offset, norm_over))
+    if call.norm is not None:
+        if not any(map(_needs_grad, (q, k, q_norm_weight, k_norm_weight))):
+            return _rope_qk_norm(q, k, k_norm_weight, call)
+        return QKRopeNormForwardAndBackward.apply(q, k, q_norm_weight, k_norm_weight, call)
     if not (_needs_grad(q) or _needs_grad(k)):
         return _rope_qk(q, k, call)
     return QKRopeForwardAndBackward.apply(q, k, call)
