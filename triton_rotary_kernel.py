@@ -395,23 +395,33 @@ class WeightGradientTile(NamedTuple):
 
 
 @triton.jit
-def weight_gradient_kernel(partial, dw, rows, width, cfg: tl.constexpr):
+def weight_gradient_kernel(partial, dw, second_dw, rows, width, second_rows, cfg: tl.constexpr):
     """dL/dweight, the second pass: dw[j] = sum over i of partial[i, j] (partial [rows,
     width], contiguous, one row per program of the backward), its rows added in the same
     order whatever order the backward's programs ran in, then rounded once to dw's dtype.
-    A program sums BLOCK_W columns."""
+    A program sums BLOCK_W columns. With a second weight of the same width (grid axis 1 of
+    2: q's and k's norms), its second_rows partial sums follow the first's rows and its
+    gradient goes to second_dw (a tensor of its own: the gradients must not alias)."""
     BLOCK_ROWS: tl.constexpr = cfg.BLOCK_ROWS
     BLOCK_W: tl.constexpr = cfg.BLOCK_W
+    weight = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
     cols_ok = cols < width
     sums = tl.zeros([BLOCK_ROWS, BLOCK_W], partial.dtype.element_ty)
+    start = weight * rows
+    count = rows + weight * (second_rows - rows)
+    # The loop's bound is a plain argument: the interpreters of Triton 3.5.1 and 3.6 take no
+    # bound that depends on the program id. A step past this weight's rows loads nothing.
     first = 0
-    while first < rows:
+    while first < rows + second_rows:
         row = first + tl.arange(0, BLOCK_ROWS)
-        sums += tl.load(partial + row.to(tl.int64)[:, None] * width + cols[None, :],
-                        mask=(row < rows)[:, None] & cols_ok[None, :], other=0.0)
+        sums += tl.load(partial + (start + row).to(tl.int64)[:, None] * width + cols[None, :],
+                        mask=(row < count)[:, None] & cols_ok[None, :], other=0.0)
         first += BLOCK_ROWS
-    tl.store(dw + cols, tl.sum(sums, axis=0).to(dw.dtype.element_ty), mask=cols_ok)
+    total = tl.sum(sums, axis=0).to(dw.dtype.element_ty)
+    weights = cols * 0 + weight           # a block, for a mask of the block's dtype
+    tl.store(dw + cols, total, mask=cols_ok & (weights == 0))
+    tl.store(second_dw + cols, total, mask=cols_ok & (weights == 1))
 
 
 @triton.jit

@@ -408,9 +408,11 @@ def _partial_sums(plan, x):
 
 class _WeightGradientPlan(NamedTuple):
     """dL/dweight of a norm's backward: the shape of the partial sums the backward's programs
-    write, one row each, and the launch of the second pass that adds them up."""
+    write, one row each, and the launch of the second pass that adds them up; `rows` (the
+    first weight's rows, the second's: 0 for one weight)."""
     partial_shape: tuple
     launch: object
+    rows: tuple
 
 
 # The second pass reads the partial sums from L2 (the backward has just written them), so it
@@ -421,27 +423,63 @@ WEIGHT_GRADIENT_TILE = 8192       # elements per step
 WEIGHT_GRADIENT_WARPS = 8
 
 
-def _weight_gradient_plan(rows, width):
+def _weight_gradient_plan(rows, width, second_rows=0):
+    """The second pass of `rows` partial sums of one weight, or, with second_rows, of two
+    weights of the same width in one launch (the second's rows after the first's)."""
     block_w = min(64, max(4, triton.next_power_of_2(triton.cdiv(width, WEIGHT_GRADIENT_PROGRAMS))))
-    block_rows = min(triton.next_power_of_2(rows), WEIGHT_GRADIENT_TILE // block_w)
+    block_rows = min(triton.next_power_of_2(max(rows, second_rows)), WEIGHT_GRADIENT_TILE // block_w)
     return _WeightGradientPlan(
-        (rows, width),
-        _Launch(weight_gradient_kernel, (), (triton.cdiv(width, block_w), 1),
-                WeightGradientTile(block_rows, block_w), WEIGHT_GRADIENT_WARPS))
+        (rows + second_rows, width),
+        _Launch(weight_gradient_kernel, (), (triton.cdiv(width, block_w), 2 if second_rows else 1),
+                WeightGradientTile(block_rows, block_w), WEIGHT_GRADIENT_WARPS),
+        (rows, second_rows))
 
 
-def _weight_gradient(plan, partial, norm):
+def _weight_gradient(plan, partial, norm, second_norm=None):
     """dL/dweight from the programs' partial sums, in the weight's dtype (zeros where the
-    backward had nothing to launch)."""
+    backward had nothing to launch); with second_norm (a plan of two weights), the pair."""
     if partial is None:
         return torch.zeros_like(norm.weight)
     # float64 sums (float64 inputs) stay float64 in the kernel and torch rounds them to the
     # weight's dtype: the interpreters of Triton 3.7.1 and 3.9 convert float64 to bfloat16 wrongly.
     wide = partial.dtype == torch.float64
-    dw = torch.empty(norm.weight.shape, device=partial.device,
-                     dtype=partial.dtype if wide else norm.weight.dtype)
-    plan.launch(partial, dw, *plan.partial_shape)
-    return dw.to(norm.weight.dtype) if wide else dw
+    dws = [torch.empty(norm.weight.shape, device=partial.device,
+                       dtype=partial.dtype if wide else norm.weight.dtype)
+           for _ in range(1 if second_norm is None else 2)]
+    rows, second_rows = plan.rows
+    plan.launch(partial, dws[0], dws[-1], rows, partial.shape[1], second_rows)
+    if wide:
+        dws = [dw.to(norm.weight.dtype) for dw in dws]
+    return dws[0] if second_norm is None else tuple(dws)
+
+
+def _weight_gradient_plans(q_rows, k_rows, q_norm, k_norm):
+    """The second passes of q's and k's norms: one launch for both where their weights have
+    the same width and dtype, else one each. A launch's
+    fixed cost is about a tenth of a copy of q and k at one rank of TP 8 (16K tokens, 14-18
+    µs a copy on the H100 and H200)."""
+    q_weight, k_weight = q_norm.weight, k_norm.weight
+    if q_weight.shape == k_weight.shape and q_weight.dtype == k_weight.dtype:
+        return (_weight_gradient_plan(q_rows, q_weight.numel(), k_rows),)
+    return (_weight_gradient_plan(q_rows, q_weight.numel()),
+            _weight_gradient_plan(k_rows, k_weight.numel()))
+
+
+def _pair_partial_sums(plans, x):
+    """(q's partial sums, k's, the buffer of both or None) for `_weight_gradient_plans`."""
+    if len(plans) == 1:
+        partial = _partial_sums(plans[0], x)
+        return (*partial.split(plans[0].rows), partial)
+    return _partial_sums(plans[0], x), _partial_sums(plans[1], x), None
+
+
+def _pair_weight_gradients(plans, partials, q_norm, k_norm):
+    """(dL/dq_weight, dL/dk_weight) from `_pair_partial_sums`' buffers."""
+    q_partial, k_partial, partial = partials
+    if partial is not None:
+        return _weight_gradient(plans[0], partial, q_norm, k_norm)
+    return (_weight_gradient(plans[0], q_partial, q_norm),
+            _weight_gradient(plans[1], k_partial, k_norm))
 
 
 def _check_index_type(name, value, device, t_name):
@@ -909,6 +947,7 @@ class _QKNormPlan(NamedTuple):
     k: _RopePlan
     shape: tuple = ()            # QKShape's fields
     positions_pass: object = None
+    weight_gradients: tuple = ()     # backward: `_weight_gradient_plans`
 
 
 _QK_GROUPS = (InOut, InOut, Angles, Positions, QKShape, Norm, Norm)
@@ -925,7 +964,7 @@ class _QKVPlan(NamedTuple):
     shape: tuple = ()            # QKVShape's fields
     tokens: Tokens = None
     input_strides: tuple = ()    # backward of a norm: of the forward's q and k inside qkv
-    weight_gradients: tuple = ()  # backward of a norm: q's and k's _WeightGradientPlan
+    weight_gradients: tuple = ()  # backward of a norm: `_weight_gradient_plans`
 
 
 # Launch plans keyed by everything the checks and the launch rule read (tensors' metadata,
@@ -1280,12 +1319,12 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         backward, positions, inverse, q_norm, k_norm, q_input, k_input))
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    q_partial = k_partial = None
+    partials = (None, None, None)
     inputs = (None, None)
     if backward:
-        q_partial = _partial_sums(plan.q.weight_gradient, q)
-        k_partial = _partial_sums(plan.k.weight_gradient, k)
+        partials = _pair_partial_sums(plan.weight_gradients, q)
         inputs = ((q_input, plan.q.norm_input_strides), (k_input, plan.k.norm_input_strides))
+    q_partial, k_partial, _ = partials
     if plan.positions_pass is not None:
         positions = torch.empty(plan.q.tokens.num_tokens, dtype=torch.int64, device=q.device)
         plan.positions_pass((None, (0, 0, 0), start_positions, cu_seqlens), positions,
@@ -1308,8 +1347,8 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
             x_plan.launch((x, x_plan.x_strides), (out, x_plan.out_strides), angles,
                           positions_group, x_plan.shape, norm_group, *x_plan.tokens)
     if backward:
-        return (q_out, k_out, _weight_gradient(plan.q.weight_gradient, q_partial, q_norm),
-                _weight_gradient(plan.k.weight_gradient, k_partial, k_norm))
+        return (q_out, k_out,
+                *_pair_weight_gradients(plan.weight_gradients, partials, q_norm, k_norm))
     return q_out, k_out
 
 
@@ -1335,7 +1374,8 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     q_plan, k_plan = plans(1.0)
     if not _joins(q_plan.launch, k_plan.launch):
         k_plan = plans(0.0)[1]
-        return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass)
+        return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
+                           weight_gradients=_qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
     if backward:
         q_plan, k_plan = plans(q.numel() / (q.numel() + k.numel()))
     q_launch, k_launch = q_plan.launch, k_plan.launch
@@ -1347,7 +1387,16 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
         _Launch(rotary_qk_kernel, _QK_GROUPS, (programs, 1), (q_launch.cfg, k_launch.cfg),
                 q_launch.num_warps),
         q_plan, k_plan, (q_shape[0], k_shape[0], q_shape[1], q_shape[2], 0, q_programs),  # QKShape
-        q_plan.positions_pass)
+        q_plan.positions_pass, _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
+
+
+def _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm):
+    """`_weight_gradient_plans` for q's and k's plans (none in the forward)."""
+    if q_plan.weight_gradient is None:
+        return ()
+    return _weight_gradient_plans(q_plan.weight_gradient.rows[0], k_plan.weight_gradient.rows[0],
+                                  q_norm, k_norm)
+
 
 
 def _joins(q_launch, k_launch):
@@ -1519,8 +1568,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
         shape=(kv_heads, q_per_kv, k_dim, shape.rotary_dim, v_dim, q_programs),  # QKVShape
         tokens=Tokens(shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank),
         input_strides=input_strides,
-        weight_gradients=(_weight_gradient_plan(token_blocks * q_programs, k_dim),
-                          _weight_gradient_plan(token_blocks * k_programs, k_dim))
+        weight_gradients=_weight_gradient_plans(token_blocks * q_programs,
+                                                token_blocks * k_programs, q_norm, k_norm)
         if norm_backward else ())
 
 
@@ -1554,13 +1603,15 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
         grads, positions, inverse, q_norm, k_norm))
     result = qkv_outputs(qkv, plan.split, grads)
     norms = (None, None)
-    q_partial = k_partial = None
+    partials = None
     if q_norm is not None and plan.launch is not None:
         inputs = (None, None)
+        q_partial = k_partial = None
         if grads is not None:
             q_in, k_in, _ = _packed_views(qkv, plan.split)
             inputs = ((q_in, plan.input_strides[0]), (k_in, plan.input_strides[1]))
-            q_partial, k_partial = (_partial_sums(p, qkv) for p in plan.weight_gradients)
+            partials = _pair_partial_sums(plan.weight_gradients, qkv)
+            q_partial, k_partial, _ = partials
         norms = [_norm_group(norm, x, partial)
                  for norm, x, partial in zip((q_norm, k_norm), inputs, (q_partial, k_partial))]
     if plan.launch is not None:
@@ -1579,7 +1630,7 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
             *norms,                                                             # q, k: Norm
             *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
     if q_norm is not None and grads is not None:
-        q_plan, k_plan = plan.weight_gradients or (None, None)
-        return (result, _weight_gradient(q_plan, q_partial, q_norm),
-                _weight_gradient(k_plan, k_partial, k_norm))
+        if partials is None:           # nothing launched: zeros
+            return result, torch.zeros_like(q_norm.weight), torch.zeros_like(k_norm.weight)
+        return (result, *_pair_weight_gradients(plan.weight_gradients, partials, q_norm, k_norm))
     return result
