@@ -455,9 +455,8 @@ def _weight_gradient(plan, partial, norm, second_norm=None):
 
 def _weight_gradient_plans(q_rows, k_rows, q_norm, k_norm):
     """The second passes of q's and k's norms: one launch for both where their weights have
-    the same width and dtype, else one each. A launch's
-    fixed cost is about a tenth of a copy of q and k at one rank of TP 8 (16K tokens, 14-18
-    µs a copy on the H100 and H200)."""
+    the same width and dtype, else one each. A launch's fixed cost is about a tenth of a copy
+    of q and k at one rank of TP 8 (16K tokens, 14-18 µs a copy on the H100 and H200)."""
     q_weight, k_weight = q_norm.weight, k_norm.weight
     if q_weight.shape == k_weight.shape and q_weight.dtype == k_weight.dtype:
         return (_weight_gradient_plan(q_rows, q_weight.numel(), k_rows),)
@@ -940,8 +939,9 @@ class _RopePlan(NamedTuple):
 
 class _QKNormPlan(NamedTuple):
     """A validated call to rotary_qk_kernel with norms: q's and k's plans as set_rotary_kernel
-    makes them (each its tiles, strides, tokens and weight gradient), their joint launch, and
-    the thd backward's positions pre-pass, which serves both."""
+    makes them (each its tiles, strides, tokens and launch), their joint launch (None: each
+    plan's own, `_joins`), the thd backward's positions pre-pass, which serves both, and the
+    weights' second pass."""
     launch: object
     q: _RopePlan
     k: _RopePlan
@@ -1065,8 +1065,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         prefix = "" if name == "t" else f"{name}_"
         check_norm(norm, t, shape.nheads, shape.head_dim, prefix=f"{prefix}norm_")
         if backward:
-            _check_norm_input(norm_input, t, f"{prefix}norm_input" if name == "t" else
-                              f"{name}_input")
+            _check_norm_input(norm_input, t, "norm_input" if name == "t" else f"{name}_input")
     in_place = out is t
     if in_place and _overlaps_itself(t):
         raise ValueError("in-place RoPE needs t without overlapping memory (e.g. not an "

@@ -505,9 +505,10 @@ class QKRopeForwardAndBackward(torch.autograd.Function):
 
 class QKRopeNormForwardAndBackward(torch.autograd.Function):
     """QK-norm then RoPE of q and k by the same angles: one launch of `rotary_qk_kernel`
-    forward and one backward (rotate back, the norms' transposes, dL/dweight as partial sums),
-    then each weight's reduction. `call.norm` holds q's norm; k's has its settings and
-    k_weight. Double backward raises (`_refuse_double_backward`)."""
+    forward and one backward (rotate back, the norms' transposes, dL/dweight as partial sums;
+    two each way where `_joins` says so), then the weights' reduction. `call.norm` holds q's
+    norm; k's has its settings and k_weight. Double backward raises
+    (`_refuse_double_backward`)."""
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, call):
@@ -704,7 +705,8 @@ def _rope_qk(q, k, call):
 
 
 def _rope_qk_norm(q, k, k_weight, call):
-    """One launch of rotary_qk_kernel with norms: `call` on q and k."""
+    """`call` on q and k with their norms: one launch of rotary_qk_kernel (two where
+    triton_rotary_launch._joins says so)."""
     return _compiled_or_eager(_rope_qk_norm_op, _rope_qk_norm_eager, (q, k, k_weight), call,
                               _rope_op_args)
 
