@@ -1969,6 +1969,17 @@ def test_qk_norm_zero_size_inputs():
         assert out.shape == t.shape
         dt, dw = torch.autograd.grad(out, (t, weight), torch.ones_like(out))
         assert dt.shape == t.shape and torch.equal(dw, torch.zeros_like(weight))
+    # q and k together, k without heads: q's own call, and k's weight gradient zero.
+    q = torch.randn(4, 2, 3, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(4, 2, 0, 16, device=DEVICE, requires_grad=True)
+    k_weight = torch.randn(16, device=DEVICE, requires_grad=True)
+    outs = apply_rotary_pos_emb_qk(q, k, freqs, q_norm_weight=weight, k_norm_weight=k_weight)
+    dq, dk, dwq, dwk = torch.autograd.grad(outs, (q, k, weight, k_weight), [torch.ones_like(o) for o in outs])
+    ref = apply_rotary_pos_emb(q, freqs, norm_weight=weight)
+    assert torch.equal(outs[0], ref) and outs[1].shape == k.shape
+    ref_dq, ref_dw = torch.autograd.grad(ref, (q, weight), torch.ones_like(ref))
+    assert torch.equal(dq, ref_dq) and torch.equal(dwq, ref_dw)
+    assert dk.shape == k.shape and torch.equal(dwk, torch.zeros_like(k_weight))
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -3468,6 +3479,37 @@ def test_fuzz_qk_norm(call, data):
     t, freqs, kwargs, grad, in_seq, _ = call
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     _check_qk_norm_call(t, freqs, kwargs, fuzz_norm(data.draw, gen, *t.shape[-2:]), grad, in_seq)
+
+
+@fuzz(rope_calls)
+def test_fuzz_qk_norm_pair(call, data):
+    """apply_rotary_pos_emb_qk of the drawn call with drawn norms (k: the drawn tensor's first
+    heads, a view; q: all of them) against a fused call for each: outputs and input gradients
+    bit for bit, the weights' gradients to float32 rounding (their partial sums add up in
+    another grouping)."""
+    t, freqs, kwargs, grad, _, _ = call
+    if t.shape[-2] == 0:           # no heads to draw a per-head weight from
+        return
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    k_heads = data.draw(st.integers(1, t.shape[-2]))
+    q, k = t, t[..., :k_heads, :]
+    norm = fuzz_norm(data.draw, gen, *q.shape[-2:])
+    k_norm = fuzz_norm(data.draw, gen, *k.shape[-2:])
+    norm.update(norm_over="head", norm_weight=norm["norm_weight"][:q.shape[-1]])
+    k_weight = k_norm["norm_weight"][:k.shape[-1]].to(norm["norm_weight"].dtype)
+    wq = norm.pop("norm_weight").detach().requires_grad_(True)
+    wk = k_weight.detach().requires_grad_(True)
+    qx, kx = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+    outs = apply_rotary_pos_emb_qk(qx, kx, freqs, **kwargs, **norm, q_norm_weight=wq, k_norm_weight=wk)
+    grads = (grad, grad[..., :k_heads, :])
+    got = torch.autograd.grad(outs, (qx, kx, wq, wk), grads)
+    for i, (x, w) in enumerate(((q, wq), (k, wk))):
+        x2, w2 = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        ref = apply_rotary_pos_emb(x2, freqs, **kwargs, **norm, norm_weight=w2)
+        dx, dw = torch.autograd.grad(ref, (x2, w2), grads[i])
+        assert torch.equal(outs[i].detach(), ref.detach()) or torch.equal(outs[i].isnan(), ref.isnan())
+        torch.testing.assert_close(got[i], dx, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got[2 + i], dw, rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
 @fuzz(qkv_calls)

@@ -1282,7 +1282,10 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
                                      cu_seqlens, cp_size, cp_rank, backward, positions=positions,
                                      inverse=inverse, norm=norm, norm_input=x_in)
                    for x, norm, x_in in ((q, q_norm, q_input), (k, k_norm, k_input))]
-        return (*zip(*results),) if norm_backward else tuple(results)
+        if norm_backward:                      # (dq, dwq), (dk, dwk) -> dq, dk, dwq, dwk
+            (dq, dwq), (dk, dwk) = results
+            return dq, dk, dwq, dwk
+        return tuple(results)
     q, k, q_input, k_input = (x.resolve_neg() if isinstance(x, torch.Tensor) else x
                               for x in (q, k, q_input, k_input))
     source = _as_source(freqs, "freqs")
