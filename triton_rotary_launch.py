@@ -1408,7 +1408,8 @@ def _joins(q_launch, k_launch):
     sm_90: the backward of 4 + 4 heads 128 -> 135, OLMo 2's norm over 32 + 32 heads 128 ->
     166), so that fewer programs are resident; OLMo 2's forward + backward, 2.62 -> 2.84
     copies on the H100. With other warps, one tensor would run tiles sized for other warps:
-    Qwen3-8B's forward (2 and 4 warps), 1.015 -> 1.04 copies on the H100."""
+    Qwen3-8B's forward (2 and 4 warps), 1.015 -> 1.04 copies on the H100
+    (artifacts/qknorm/qk_joint_always_ab_h100.log)."""
     return q_launch.cfg != k_launch.cfg and q_launch.num_warps == k_launch.num_warps
 
 
