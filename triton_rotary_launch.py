@@ -1367,19 +1367,19 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
         if not isinstance(norm, RMSNorm):
             raise TypeError(f"{name} must be an RMSNorm or None, got {type(norm).__name__}")
 
-    def plans(q_share):
+    def plans(q_share, k_share):
         return [_make_plan(x, source, tensor_format, start_positions, cu_seqlens, cp_size,
                            cp_rank, interleaved, backward, None, positions, inverse, norm,
                            x_input, name=name, gpu_share=share)
                 for x, norm, x_input, name, share in ((q, q_norm, q_input, "q", q_share),
-                                                      (k, k_norm, k_input, "k", 1.0 - q_share))]
-    q_plan, k_plan = plans(1.0)
+                                                      (k, k_norm, k_input, "k", k_share))]
+    q_plan, k_plan = plans(1.0, 1.0)           # as two calls make them
     if not _joins(q_plan.launch, k_plan.launch):
-        k_plan = plans(0.0)[1]
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
                            weight_gradients=_qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
     if backward:
-        q_plan, k_plan = plans(q.numel() / (q.numel() + k.numel()))
+        q_share = q.numel() / (q.numel() + k.numel())
+        q_plan, k_plan = plans(q_share, 1.0 - q_share)
     q_launch, k_launch = q_plan.launch, k_plan.launch
     q_programs, programs = q_launch.grid[0], q_launch.grid[0] + k_launch.grid[0]
     if programs > _MAX_GRID_X:
