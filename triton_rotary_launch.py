@@ -1186,6 +1186,15 @@ def _sequence_positions_launch(shape, has_start):
                    (triton.cdiv(shape.num_tokens, block), 1), cfg, NUM_WARPS)
 
 
+def _pre_pass_positions(positions_pass, tokens, start_positions, cu_seqlens, device):
+    """The thd tokens' positions from a plan's sequence_positions_kernel launch, as (positions,
+    start_positions, cu_seqlens) for the launch that reads them (the pre-pass applied the
+    other two)."""
+    positions = torch.empty(tokens.num_tokens, dtype=torch.int64, device=device)
+    positions_pass((None, (0, 0, 0), start_positions, cu_seqlens), positions, *tokens)
+    return positions, None, None
+
+
 def _index_tensor(x):
     """Index tensors are read with unit stride and without a negative bit."""
     return x.resolve_neg().contiguous() if isinstance(x, torch.Tensor) else x
@@ -1243,10 +1252,8 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
             norm_input = (norm_input, plan.norm_input_strides)
         norm_group = _norm_group(norm, norm_input, partial)
         if plan.positions_pass is not None:
-            positions = torch.empty(plan.tokens.num_tokens, dtype=torch.int64, device=t.device)
-            plan.positions_pass((None, (0, 0, 0), start_positions, cu_seqlens), positions,
-                                *plan.tokens)
-            start_positions = cu_seqlens = None
+            positions, start_positions, cu_seqlens = _pre_pass_positions(
+                plan.positions_pass, plan.tokens, start_positions, cu_seqlens, t.device)
     if plan.launch is not None:
         # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(
@@ -1300,8 +1307,7 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         plan = _cached_plan(_metadata_key(tensors, values), lambda: _make_plan(
             q, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
             backward, None, positions, inverse, None, None, k))
-        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        q_out, k_out = _contiguous_outputs(q, k)
         k_strides, k_out_strides = plan.k_strides
         # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(
@@ -1319,8 +1325,7 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
     plan = _cached_plan(_metadata_key(tensors, values), lambda: _make_qk_norm_plan(
         q, k, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
         backward, positions, inverse, q_norm, k_norm, q_input, k_input))
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    q_out, k_out = _contiguous_outputs(q, k)
     partials = (None, None, None)
     inputs = (None, None)
     if backward:
@@ -1328,10 +1333,8 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         inputs = ((q_input, plan.q.norm_input_strides), (k_input, plan.k.norm_input_strides))
     q_partial, k_partial, _ = partials
     if plan.positions_pass is not None:
-        positions = torch.empty(plan.q.tokens.num_tokens, dtype=torch.int64, device=q.device)
-        plan.positions_pass((None, (0, 0, 0), start_positions, cu_seqlens), positions,
-                            *plan.q.tokens)
-        start_positions = cu_seqlens = None
+        positions, start_positions, cu_seqlens = _pre_pass_positions(
+            plan.positions_pass, plan.q.tokens, start_positions, cu_seqlens, q.device)
     q_norm_group = _norm_group(q_norm, inputs[0], q_partial)
     k_norm_group = _norm_group(k_norm, inputs[1], k_partial)
     angles = _angles(source, plan.q.table)
@@ -1352,6 +1355,11 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         return (q_out, k_out,
                 *_pair_weight_gradients(plan.weight_gradients, partials, q_norm, k_norm))
     return q_out, k_out
+
+
+def _contiguous_outputs(q, k):
+    """Results like q and k, contiguous in their format."""
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k))
 
 
 def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
@@ -1398,7 +1406,6 @@ def _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm):
         return ()
     return _weight_gradient_plans(q_plan.weight_gradient.rows[0], k_plan.weight_gradient.rows[0],
                                   q_norm, k_norm)
-
 
 
 def _joins(q_launch, k_launch):
