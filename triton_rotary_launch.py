@@ -91,6 +91,13 @@ NORM_ONE_HEAD_WARPS = 4
 # on the H100); a table's angles at 32-64 heads on the H100 too (Qwen3-8B 1.06 -> 1.11,
 # Qwen3-32B 1.03 -> 1.08); a tile of one head (tensor parallelism 8's key head, exact angles,
 # 16K tokens) 1.09 -> 1.31 on the H100.
+# With q and k together (set_rotary_qk_kernel), a key tile that would take this tile goes beside
+# a query tile of more than NORM_POSITIONS_MAX_HEADS heads (the plain tile in NORM_WARPS) in
+# the plain tile and NORM_WARPS too, so that both go in one launch (`_joins`). Forward through
+# the public call, in copies of q and k, H100 / H200 (artifacts/qknorm/key_tile_ab_h100.log,
+# key_tile_ab_h200.log): Qwen3-8B at 8K-32K tokens 1.019-1.027 -> 0.986-1.001 / 1.023-1.059 ->
+# 0.996-1.002, Qwen3-32B 1.017 -> 1.001 / 1.022 -> 1.004, packed thd 1.051 -> 1.016 / 1.081 ->
+# 1.083; in the key tile of the query's bytes instead, packed thd was 1.13 on the H200.
 NORM_POSITIONS_TILE_BYTES = 8192
 NORM_POSITIONS_WARPS = 4
 NORM_POSITIONS_MAX_HEADS = 16
@@ -1046,11 +1053,13 @@ def _positions_mode(source, positions):
 
 def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
                interleaved, backward, out, positions, inverse, norm, norm_input, k=None,
-               name="t", gpu_share=1.0):
+               name="t", gpu_share=1.0, beside_plain_query=False):
     """The plan of a call of set_rotary_kernel, or with `k`, of set_rotary_qk_kernel without
     norms (`t` then being q). `name`: t's name in errors (its norm's arguments are then
     `{name}_norm_weight`, `{name}_input`); `gpu_share`: the share of the GPU's resident
-    programs a norm's backward takes (`norm_programs`)."""
+    programs a norm's backward takes (`norm_programs`); `beside_plain_query`: t is the key
+    of a q,k forward with norms whose query takes the plain tile (NORM_POSITIONS_TILE_BYTES
+    says why it then does too)."""
     if k is not None:
         name = "q"
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
@@ -1106,7 +1115,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         tile_bytes = _norm_backward_tile_bytes(rule, source, shape.head_dim, t.element_size())
     positions_tile = (norm is not None and not backward
                       and _norm_positions_tile(rule, source, shape.nheads))
-    if positions_tile:
+    if positions_tile and beside_plain_query:
+        tile_bytes, positions_tile = rule.tile_bytes, False
+    elif positions_tile:
         tile_bytes = rule.norm_positions_tile_bytes
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
@@ -1366,28 +1377,32 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
                        interleaved, backward, positions, inverse, q_norm, k_norm, q_input,
                        k_input):
     """The plan of set_rotary_qk_kernel with norms (q and k not empty): each tensor planned as
-    its own call of set_rotary_kernel, then both launched as one where that keeps each
-    tensor's tiles as they are (`_joins`); else the two launches. A norm's backward in one
-    launch keeps about as many programs resident as one call would, shared between q and k
-    in proportion to their sizes (each program loops over its share of the token blocks)."""
+    its own call of set_rotary_kernel (but a key beside a query in the plain tile, forward:
+    NORM_POSITIONS_TILE_BYTES), then both launched as one where that keeps each tensor's
+    tiles as they are (`_joins`); else the two launches. A norm's backward in one launch
+    keeps about as many programs resident as one call would, shared between q and k in
+    proportion to their sizes (each program loops over its share of the token blocks)."""
     check_qk_pair(q, k)
     for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
         if not isinstance(norm, RMSNorm):
             raise TypeError(f"{name} must be an RMSNorm or None, got {type(norm).__name__}")
 
-    def plans(q_share, k_share):
-        return [_make_plan(x, source, tensor_format, start_positions, cu_seqlens, cp_size,
-                           cp_rank, interleaved, backward, None, positions, inverse, norm,
-                           x_input, name=name, gpu_share=share)
-                for x, norm, x_input, name, share in ((q, q_norm, q_input, "q", q_share),
-                                                      (k, k_norm, k_input, "k", k_share))]
-    q_plan, k_plan = plans(1.0, 1.0)           # as two calls make them
+    def plan(x, norm, x_input, name, share=1.0, beside_plain_query=False):
+        return _make_plan(x, source, tensor_format, start_positions, cu_seqlens, cp_size,
+                          cp_rank, interleaved, backward, None, positions, inverse, norm,
+                          x_input, name=name, gpu_share=share,
+                          beside_plain_query=beside_plain_query)
+    q_plan = plan(q, q_norm, q_input, "q")       # checks the call, the source included
+    beside_plain_query = (not backward
+                          and not _norm_positions_tile(launch_rule(), source, q.shape[-2]))
+    k_plan = plan(k, k_norm, k_input, "k", beside_plain_query=beside_plain_query)
     if not _joins(q_plan.launch, k_plan.launch):
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
                            weight_gradients=_qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
     if backward:
         q_share = q.numel() / (q.numel() + k.numel())
-        q_plan, k_plan = plans(q_share, 1.0 - q_share)
+        q_plan = plan(q, q_norm, q_input, "q", q_share)
+        k_plan = plan(k, k_norm, k_input, "k", 1.0 - q_share)
     q_launch, k_launch = q_plan.launch, k_plan.launch
     q_programs, programs = q_launch.grid[0], q_launch.grid[0] + k_launch.grid[0]
     if programs > _MAX_GRID_X:
