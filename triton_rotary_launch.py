@@ -1393,8 +1393,10 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
                           x_input, name=name, gpu_share=share,
                           beside_plain_query=beside_plain_query)
     q_plan = plan(q, q_norm, q_input, "q")       # checks the call, the source included
-    beside_plain_query = (not backward
-                          and not _norm_positions_tile(launch_rule(), source, q.shape[-2]))
+    # A query in the plain tile (neither one head nor the positions tile): the key takes it too.
+    q_heads = q.shape[-2]
+    beside_plain_query = (not backward and q_heads > 1
+                          and not _norm_positions_tile(launch_rule(), source, q_heads))
     k_plan = plan(k, k_norm, k_input, "k", beside_plain_query=beside_plain_query)
     if not _joins(q_plan.launch, k_plan.launch):
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
