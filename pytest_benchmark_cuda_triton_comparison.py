@@ -2105,6 +2105,9 @@ _QK_NORM_CASES = {
     # k's output equals that call's to float32 rounding (_QK_NORM_KEY_RETILED).
     "20:4 heads, exact angles": ((4, 2, 20, 32), (4, 2, 4, 32), "sbhd", "module", {}, "head",
                                  {"rotary_qk_kernel": 2, "weight_gradient_kernel": 1}),
+    # A query of one head keeps its tile (4 warps), which the key's positions tile joins.
+    "1:4 heads, exact angles": ((6, 2, 1, 32), (6, 2, 4, 32), "sbhd", "module", {}, "head",
+                                {"rotary_qk_kernel": 2, "weight_gradient_kernel": 1}),
     # The same tiles for q and k: two launches each way (`_joins`).
     "norm over the token, 2 + 2 heads": ((6, 2, 2, 32), (6, 2, 2, 32), "sbhd", "module", {}, "token",
                                          {"rotary_kernel": 4, "weight_gradient_kernel": 1}),
