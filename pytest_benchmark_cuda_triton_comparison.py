@@ -3368,6 +3368,108 @@ def test_norm_calls_take_the_norms_tiles_and_warps():
     }, found
 
 
+def _norm_forward_plans(t, freqs, **options):
+    """The forward plans of a call with a norm under the GPU's rule on one SM, as the
+    interpreter plans it (its tiles are then a GPU's)."""
+    L = triton_rotary_launch
+    L._PLANS.clear()
+    with L.use_launch_rule(L.GPU_RULE):
+        out = apply_rotary_pos_emb(t, freqs, **options)
+    return out, [p.launch.cfg for p in L._PLANS.values()
+                 if p.launch is not None and not p.launch.cfg.BACKWARD]
+
+
+def test_norm_forward_after_the_angles_where_the_rule_says(monkeypatch):
+    """The forward of a per-head norm normalizes after working out the angles
+    (Variant.NORM_AFTER_ANGLES) in tiles of several heads that hold one token or take their
+    angles from a table, where no tile searches cu_seqlens; every other forward, and every
+    backward, normalizes first (`_norm_after_angles`)."""
+    monkeypatch.setattr(triton_rotary_launch, "_sm_count", lambda device: 1)
+    module = RotaryPositionEmbedding(128, device=DEVICE)
+    bf16 = dict(device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.ones(128, **bf16)
+    cases = {   # name: (t, freqs, options, whether its forward normalizes after the angles)
+        # More heads than the positions tile takes: the plain tile, 1 token x 16 heads.
+        "32 heads, exact": (torch.randn(8, 1, 32, 128, **bf16), module, {}, True),
+        # The positions tile: 8 tokens x 4 heads.
+        "4 heads, exact": (torch.randn(64, 1, 4, 128, **bf16), module, {}, False),
+        "4 heads, table": (torch.randn(64, 1, 4, 128, **bf16), module(64), {}, True),
+        "1 head, table": (torch.randn(64, 1, 1, 128, **bf16), module(64), {}, False),
+        "over the token": (torch.randn(8, 1, 32, 128, **bf16), module,
+                           dict(norm_over="token", norm_weight=torch.ones(32 * 128, **bf16)),
+                           False),
+        "thd, cu_seqlens": (torch.randn(16, 32, 128, **bf16), module,
+                            dict(tensor_format="thd", cu_seqlens=int_tensor([0, 5, 16])), False),
+    }
+    found, expected = {}, {}
+    for name, (t, freqs, options, late) in cases.items():
+        options = dict(dict(norm_weight=weight), **options)
+        out, cfgs = _norm_forward_plans(t.requires_grad_(True), freqs, **options)
+        found[name] = [cfg.NORM_AFTER_ANGLES for cfg in cfgs]
+        expected[name] = [late]
+        out.sum().backward()
+        backward = [p.launch.cfg.NORM_AFTER_ANGLES for p in triton_rotary_launch._PLANS.values()
+                    if p.launch is not None and p.launch.cfg.BACKWARD]
+        assert backward == [False], (name, backward)
+    assert found == expected
+
+
+_NORM_AFTER_ANGLES_CASES = {
+    # name: (t's shape, format, angles, dtype, options)
+    "bf16, exact": ((4, 2, 8, 32), "sbhd", "module", torch.bfloat16, {}),
+    "bf16, table, offset": ((4, 2, 8, 32), "sbhd", "table", torch.bfloat16, {"norm_offset": 1.0}),
+    "fp16, interleaved": ((4, 2, 8, 32), "sbhd", "interleaved", torch.float16, {}),
+    "bf16, partial rotary, bshd": ((2, 4, 8, 32), "bshd", "half", torch.bfloat16, {}),
+    "fp32, table, inverse": ((4, 2, 8, 32), "sbhd", "table", torch.float32, {"inverse": True}),
+    "bf16, in place": ((4, 2, 8, 32), "sbhd", "module", torch.bfloat16, {"in_place": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(_NORM_AFTER_ANGLES_CASES))
+def test_norm_after_the_angles_gives_the_same_bits(name, monkeypatch):
+    """A forward with a norm gives the same bits whether it normalizes before or after the
+    angles (the same arithmetic, in another order of instructions): forced both ways, with
+    the late one checked to be the one planned. The weight is bf16 where t is float32, so
+    both are read in their own dtypes."""
+    shape, fmt, angles, dtype, options = _NORM_AFTER_ANGLES_CASES[name]
+    torch.manual_seed(75)
+    freqs = {"table": RotaryPositionEmbedding(32, device=DEVICE)(16),
+             "half": RotaryPositionEmbedding(32, rotary_percent=0.5, device=DEVICE),
+             "module": RotaryPositionEmbedding(32, device=DEVICE),
+             "interleaved": RotaryPositionEmbedding(32, interleaved=True, device=DEVICE)}[angles]
+    options = dict(options, interleaved=angles == "interleaved", tensor_format=fmt)
+    in_place = options.pop("in_place", False)
+    t = torch.randn(shape, device=DEVICE, dtype=dtype)
+    weight = (1 + 0.2 * torch.randn(32, device=DEVICE)).to(
+        torch.bfloat16 if dtype == torch.float32 else dtype)
+    monkeypatch.setattr(triton_rotary_launch, "_sm_count", lambda device: 1)
+    outs = {}
+    for late in (False, True):
+        monkeypatch.setattr(triton_rotary_launch, "_norm_after_angles",
+                            lambda *args, late=late: late)
+        if in_place:
+            triton_rotary_launch._PLANS.clear()
+            out = apply_rotary_pos_emb_inplace(t.clone(), freqs, norm_weight=weight, **options)
+            cfgs = [p.launch.cfg for p in triton_rotary_launch._PLANS.values()]
+        else:
+            out, cfgs = _norm_forward_plans(t, freqs, norm_weight=weight, **options)
+        assert [cfg.NORM_AFTER_ANGLES for cfg in cfgs] == [late]
+        outs[late] = out
+    assert torch.equal(outs[False], outs[True])
+    # And both are the norm and the rotation: against the unfused formula in float64.
+    wide = t.double()
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
+    normed = normed * (weight.double() + options.get("norm_offset", 0.0))
+    expected = apply_rotary_pos_emb(normed, freqs, fused=False,
+                                    **{k: v for k, v in options.items() if k != "norm_offset"})
+    torch.testing.assert_close(outs[True].double(), expected, **_TOLERANCE_OF[dtype])
+
+
+_TOLERANCE_OF = {torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
+                 torch.float16: dict(rtol=2e-3, atol=4e-3),
+                 torch.float32: dict(rtol=2e-5, atol=2e-5)}
+
+
 def test_launch_rule_changes_make_new_plans():
     """test_other_launch_configs plans calls under other launch rules and expects new tiles:
     the plan key must hold the rule. Every change of a rule field plans anew (and a repeated

@@ -53,8 +53,8 @@ kernel, `weight_gradient_kernel`, adds up in one fixed order.
 
 Reading order: the argument groups (View, Angles, Positions, the shapes, Norm, Variant), the
 kernels, `_rope_tile` (one tile: `_tile_inputs` loads it and applies the forward's norm,
-`_tile_rotation` works out its angles, `_rotate_and_store` rotates, takes the backward's
-norm and stores; `_rope_pair_tile` shares one rotation between a query and a key tile), the norm's
+`_tile_rotation` works out its angles, `_rotate_and_store` rotates (after the forward's norm
+where `Variant.NORM_AFTER_ANGLES` puts it there), takes the backward's norm and stores; `_rope_pair_tile` shares one rotation between a query and a key tile), the norm's
 arithmetic (`_rms_norm`, `_rms_norm_backward`), the tokens' positions
 (`_positions`, the thd search of cu_seqlens), the angles (`_tile_angles`, from a table or
 from positions), and last the arithmetic: fma, sin and cos.
@@ -192,18 +192,21 @@ class Variant(NamedTuple):
     INVERSE: bool = False       # rotate by the negated angles (see the module docstring)
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
     PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
+    NORM_AFTER_ANGLES: bool = False  # norm forward: normalize after the angles are worked out
 
 
 class TileInputs(NamedTuple):
     """What a tile loaded (`_tile_inputs`), for its rotation and stores (`_rotate_and_store`):
     in the compute dtype, [T, H, K]; 0 in place of what the Variant does without."""
-    x1: object         # the pairs' members (the forward's normalized and weighted, with a norm)
+    x1: object         # the pairs' members (the forward's normalized and weighted, with a norm
+    #                    normalized first; as loaded, in t's dtype, with NORM_AFTER_ANGLES)
     x2: object
     x_pass: object     # the channels past rotary_dim (with a norm, or BLOCK_PASS > 0)
     n1: object         # the backward of a norm: the norm's input, the same channels
     n2: object
     n_pass: object
     w1: object         # with a norm: its weights plus offset, broadcast against the channels
+    #                    (as stored, without the offset, with NORM_AFTER_ANGLES)
     w2: object
     w_pass: object
     width: object      # with a norm: the channels it covers (`_norm_width`)
@@ -550,8 +553,9 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     inputs = _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx,
                           norm, weights, cfg)
     BLOCK_H: tl.constexpr = heads.shape[0]
+    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
-                              shape.rotary_dim, freqs, inputs.x1.dtype, BLOCK_H > 1, cfg)
+                              shape.rotary_dim, freqs, compute_dtype, BLOCK_H > 1, cfg)
     return _rotate_and_store(inputs, rotation, norm, cfg)
 
 
@@ -575,7 +579,7 @@ def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens,
 @triton.jit
 def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx, norm,
                  weights, cfg: tl.constexpr):
-    """A tile's loads, and the forward's norm: a TileInputs."""
+    """A tile's loads, and the forward's norm unless it comes after the angles: a TileInputs."""
     mask_th = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]      # [T, H, 1]
     if cfg.WIDE_INNER:
         heads = heads.to(tl.int64)
@@ -586,6 +590,12 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
     BLOCK_T: tl.constexpr = tok_ok.shape[0]
     BLOCK_H: tl.constexpr = heads.shape[0]
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
+    NORM_FORWARD: tl.constexpr = cfg.NORM != NO_NORM and not cfg.BACKWARD
+    NORM_LATE: tl.constexpr = NORM_FORWARD and cfg.NORM_AFTER_ANGLES
+    load_dtype = compute_dtype
+    if NORM_LATE:
+        # Kept in t's dtype until the norm converts them, after the angles (`_rotate_and_store`).
+        load_dtype = x.ptr.dtype.element_ty
 
     # Loads. Interleaved tiles are loaded contiguously (vectorisable) and split even/odd in
     # registers rather than gathered with stride 2.
@@ -595,7 +605,7 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
     mask = mask_th & channels_ok
     if cfg.WIDE_INNER:
         offs = offs.to(tl.int64)
-    x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, compute_dtype, cfg)
+    x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, load_dtype, cfg)
     x_pass, offs_p, mask_p = 0, 0, 0
     if cfg.BLOCK_PASS > 0:
         # Channels rotary_dim..head_dim are copied through (normalized, with a norm).
@@ -612,7 +622,7 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
         # No channels past rotary_dim: the norm's sums over them see one masked-off channel.
         offs_p = _pass_channels(rotary_dim, cfg)
         mask_p = mask_th & (offs_p < rotary_dim)[None, None, :]
-        x_pass = tl.zeros([BLOCK_T, BLOCK_H, 1], compute_dtype)
+        x_pass = tl.zeros([BLOCK_T, BLOCK_H, 1], load_dtype)
     n1, n2, n_pass = 0, 0, 0
     if NORM_BACKWARD:
         # The norm's input, loaded with the tile so that its loads are in flight together.
@@ -624,13 +634,16 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
                          other=0.0).to(compute_dtype)
     w1, w2, w_pass, width = 0, 0, 0, 0
     if cfg.NORM != NO_NORM:
-        if weights is None:
+        if weights is not None:
+            w1, w2, w_pass = weights
+        elif NORM_LATE:
+            w1, w2, w_pass = _norm_weight_loads(norm, heads, shape, offs, channels_ok, offs_p,
+                                                norm.weight.dtype.element_ty, cfg)
+        else:
             w1, w2, w_pass = _norm_weight(norm, heads, shape, offs, channels_ok, offs_p,
                                           compute_dtype, cfg)
-        else:
-            w1, w2, w_pass = weights
         width = _norm_width(shape, cfg)
-        if not cfg.BACKWARD:
+        if NORM_FORWARD and not NORM_LATE:
             x_pass = x_pass.to(compute_dtype)
             rstd = _rstd(x1, x2, x_pass, width, norm.eps, cfg)
             x1, x2, x_pass = x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
@@ -673,8 +686,18 @@ def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr):
     x1, x2, x_pass, mask, mask_p = inputs.x1, inputs.x2, inputs.x_pass, inputs.mask, inputs.mask_p
     out_base, out_dim, offs = inputs.out_base, inputs.out_dim, inputs.offs
     in_seq, cos1, cos2, sin_a, sin_b = rotation
-    compute_dtype = x1.dtype
+    compute_dtype = cos1.dtype
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
+    if cfg.NORM != NO_NORM and not cfg.BACKWARD and cfg.NORM_AFTER_ANGLES:
+        # The forward's norm, after the angles: its sums wait for the tile's loads, and the
+        # angles, worked out first, fill that wait (the launcher's `_norm_after_angles` says
+        # where this wins).
+        x1, x2, x_pass = x1.to(compute_dtype), x2.to(compute_dtype), x_pass.to(compute_dtype)
+        w1 = inputs.w1.to(compute_dtype) + norm.offset
+        w2 = inputs.w2.to(compute_dtype) + norm.offset
+        w_pass = inputs.w_pass.to(compute_dtype) + norm.offset
+        rstd = _rstd(x1, x2, x_pass, inputs.width, norm.eps, cfg)
+        x1, x2, x_pass = x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))
@@ -774,15 +797,24 @@ def _pass_channels(rotary_dim, cfg: tl.constexpr):
 @triton.jit
 def _norm_weight(norm, heads, shape, offs, channels_ok, offs_p, compute_dtype: tl.constexpr,
                  cfg: tl.constexpr):
-    """(w1, w2, w_pass): the norm's weight plus its offset for the tile's channels, shaped to
-    broadcast against them ([1, 1, K] per head; [1, H, K] per token, where head j's weights
-    start at j * head_dim)."""
+    """(w1, w2, w_pass): the norm's weight plus its offset for the tile's channels, in
+    compute_dtype, shaped to broadcast against them (`_norm_weight_loads`)."""
+    w1, w2, w_pass = _norm_weight_loads(norm, heads, shape, offs, channels_ok, offs_p,
+                                        compute_dtype, cfg)
+    return w1 + norm.offset, w2 + norm.offset, w_pass + norm.offset
+
+
+@triton.jit
+def _norm_weight_loads(norm, heads, shape, offs, channels_ok, offs_p, dtype: tl.constexpr,
+                       cfg: tl.constexpr):
+    """(w1, w2, w_pass): the norm's weight for the tile's channels, read as `dtype`, shaped
+    to broadcast against them ([1, 1, K] per head; [1, H, K] per token, where head j's
+    weights start at j * head_dim)."""
     base, rows_ok = _weight_rows(norm.weight, heads, shape, cfg)
-    w1, w2 = _load_pairs(base, 1, offs, shape.rotary_dim // 2, rows_ok & channels_ok,
-                         compute_dtype, cfg)
+    w1, w2 = _load_pairs(base, 1, offs, shape.rotary_dim // 2, rows_ok & channels_ok, dtype, cfg)
     w_pass = tl.load(base + offs_p[None, None, :],
                      mask=rows_ok & (offs_p < shape.head_dim)[None, None, :], other=0.0)
-    return w1 + norm.offset, w2 + norm.offset, w_pass.to(compute_dtype) + norm.offset
+    return w1, w2, w_pass.to(dtype)
 
 
 @triton.jit

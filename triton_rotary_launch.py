@@ -1148,6 +1148,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
+                  NORM_AFTER_ANGLES=(norm is not None and not backward
+                                     and _norm_after_angles(source, tile, norm, searches)),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
                                                    norm_backward, searches))
     if k is None:
@@ -1423,6 +1425,27 @@ def _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm):
         return ()
     return _weight_gradient_plans(q_plan.weight_gradient.rows[0], k_plan.weight_gradient.rows[0],
                                   q_norm, k_norm)
+
+
+def _norm_after_angles(source, tile, norm, searches):
+    """Whether a forward with a norm normalizes after working out its tile's angles
+    (Variant.NORM_AFTER_ANGLES): a per-head norm in tiles of several heads that hold one token
+    or take their angles from a table, where no tile searches cu_seqlens.
+
+    The norm's sums wait for the tile's loads. A tile of several heads works its angles out in
+    one-trip loops (`_tile_angles`), which the compiler does not move ahead of that wait;
+    normalizing after them fills the wait with their arithmetic, but keeps the loads and the
+    weights live across them (more registers). Forward of q and k with norms, 16K tokens
+    unless named, in copies of q and k, H100 / H200 (artifacts/qknorm/norm_after_angles_ab_*):
+    with TE's table, Qwen3-8B 1.046 -> 1.043 / 1.176 -> 1.070, Gemma 3 1.077 -> 1.070 /
+    1.227 -> 1.064, Qwen3-8B under TP 8 at 64K 1.514 -> 1.406 / 1.739 -> 1.534; with exact
+    angles within 0.01 both ways. After the angles everywhere, the H200 lost where this rule
+    normalizes first: positions tiles of several tokens (TP 8's query, 8 tokens x 4 heads)
+    0.842 -> 0.897 of the pair's copy, OLMo 2's norm over the token 1.057 -> 1.106 (TE's
+    table 1.155 -> 1.701), tiles that search cu_seqlens with TE's table 0.913 -> 0.987, and
+    one-head tiles with TE's table 0.538 -> 0.566."""
+    return (norm.over == "head" and tile["BLOCK_H"] > 1 and not searches
+            and (tile["BLOCK_T"] == 1 or not source.from_positions))
 
 
 def _joins(q_launch, k_launch):
