@@ -2080,6 +2080,17 @@ def test_qk_pair_matches_separate_calls(name, monkeypatch):
         torch.testing.assert_close(out.detach(), unfused, equal_nan=True)
 
 
+def _norm_case_angles(angles):
+    """The angle source a norm test case names, for heads of d 32: TE's table of 16 positions
+    ("table"), or the module (exact angles): "module", "half" (rotary_percent 0.5),
+    "interleaved"."""
+    module = {"table": RotaryPositionEmbedding(32, device=DEVICE),
+              "half": RotaryPositionEmbedding(32, rotary_percent=0.5, device=DEVICE),
+              "module": RotaryPositionEmbedding(32, device=DEVICE),
+              "interleaved": RotaryPositionEmbedding(32, interleaved=True, device=DEVICE)}[angles]
+    return module(16) if angles == "table" else module
+
+
 _QK_NORM_CASES = {
     # name: (q shape, k shape, format, angles, options, norm_over, the launches of forward and
     # backward under the GPU launch rule; one second pass for both weights of one width)
@@ -2131,10 +2142,7 @@ def test_qk_norm_pair_matches_separate_calls(name, monkeypatch):
     weights where they have one width."""
     q_shape, k_shape, fmt, angles, options, over, kernels = _QK_NORM_CASES[name]
     torch.manual_seed(74)
-    freqs = {"table": RotaryPositionEmbedding(32, device=DEVICE)(16),
-             "half": RotaryPositionEmbedding(32, rotary_percent=0.5, device=DEVICE),
-             "module": RotaryPositionEmbedding(32, device=DEVICE),
-             "interleaved": RotaryPositionEmbedding(32, interleaved=True, device=DEVICE)}[angles]
+    freqs = _norm_case_angles(angles)
     options = dict(options, interleaved=angles == "interleaved", norm_over=over)
     for key in ("cu_seqlens", "start_positions"):
         if key in options:
@@ -3433,10 +3441,7 @@ def test_norm_after_the_angles_gives_the_same_bits(name, monkeypatch):
     both are read in their own dtypes."""
     shape, fmt, angles, dtype, options = _NORM_AFTER_ANGLES_CASES[name]
     torch.manual_seed(75)
-    freqs = {"table": RotaryPositionEmbedding(32, device=DEVICE)(16),
-             "half": RotaryPositionEmbedding(32, rotary_percent=0.5, device=DEVICE),
-             "module": RotaryPositionEmbedding(32, device=DEVICE),
-             "interleaved": RotaryPositionEmbedding(32, interleaved=True, device=DEVICE)}[angles]
+    freqs = _norm_case_angles(angles)
     options = dict(options, interleaved=angles == "interleaved", tensor_format=fmt)
     in_place = options.pop("in_place", False)
     t = torch.randn(shape, device=DEVICE, dtype=dtype)

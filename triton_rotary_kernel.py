@@ -54,10 +54,11 @@ kernel, `weight_gradient_kernel`, adds up in one fixed order.
 Reading order: the argument groups (View, Angles, Positions, the shapes, Norm, Variant), the
 kernels, `_rope_tile` (one tile: `_tile_inputs` loads it and applies the forward's norm,
 `_tile_rotation` works out its angles, `_rotate_and_store` rotates (after the forward's norm
-where `Variant.NORM_AFTER_ANGLES` puts it there), takes the backward's norm and stores; `_rope_pair_tile` shares one rotation between a query and a key tile), the norm's
-arithmetic (`_rms_norm`, `_rms_norm_backward`), the tokens' positions
-(`_positions`, the thd search of cu_seqlens), the angles (`_tile_angles`, from a table or
-from positions), and last the arithmetic: fma, sin and cos.
+where `Variant.NORM_AFTER_ANGLES` puts it there), takes the backward's norm and stores;
+`_rope_pair_tile` shares one rotation between a query and a key tile), the norm's arithmetic
+(`_rstd`, `_rms_norm_backward`), the tokens' positions (`_positions`, the thd search of
+cu_seqlens), the angles (`_tile_angles`, from a table or from positions), and last the
+arithmetic: fma, sin and cos.
 """
 
 import os
