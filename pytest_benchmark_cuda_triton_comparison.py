@@ -3918,10 +3918,10 @@ def _replace_line(pattern, new):
 
 
 def test_device_code_stamp_ignores_host_code(tmp_path):
-    """The stamp changes with the device code (a @triton.jit function, a tl.constexpr global
-    of triton_rotary_kernel.py) and the launch rule (a constant launch_config reads in
-    triton_rotary_launch.py), and not with host code (a new host function, a host check's
-    limit, the plan cache's size)."""
+    """The stamp changes with the device code (a @triton.jit function, a
+    @triton.constexpr_function, a tl.constexpr global of triton_rotary_kernel.py) and the
+    launch rule (a constant launch_config reads in triton_rotary_launch.py), and not with host
+    code (a new host function, a host check's limit, the plan cache's size)."""
     stamp = report.device_code_stamp
 
     def kernel_edit(name, edit):
@@ -3944,6 +3944,9 @@ def test_device_code_stamp_ignores_host_code(tmp_path):
     assert kernel_edit("comment", comment) == base
     device_edits = {
         "jit_function": lambda text: text + "\n\n@triton.jit\ndef _new_device_helper(x):\n    return x + 1\n",
+        "constexpr_function": lambda text: text.replace(
+            "return tl.float64 if dtype == tl.float64 else tl.float32",
+            "return tl.float64 if dtype == tl.float64 else tl.float16"),
         "constexpr": _replace_line(r"^SEARCH_FAN = tl\.constexpr\(.*$", "SEARCH_FAN = tl.constexpr(2)"),
     }
     for name, edit in device_edits.items():

@@ -172,9 +172,9 @@ def source_hash():
 def device_code_stamp(kernel_file=KERNEL_FILE, launch_file=LAUNCH_FILE):
     """Short hash of what decides a timing (the `device_code` field of a row):
 
-    (a) the code of every @triton.jit function defined in `kernel_file` (by default
-        triton_rotary_kernel.py), in name order, decorator included (its arguments, e.g.
-        do_not_specialize, shape the compiled variants);
+    (a) the code of every @triton.jit and @triton.constexpr_function function defined in
+        `kernel_file` (by default triton_rotary_kernel.py), in name order, decorator included
+        (its arguments, e.g. do_not_specialize, shape the compiled variants);
     (b) that module's tl.constexpr globals, name and value (the kernels read them as
         compile-time constants);
     (c) the launch rule: the code of `launch_config` in `launch_file` (by default
@@ -236,12 +236,17 @@ def _load_module(name, path):
 
 
 def _jit_types():
-    from triton.runtime.jit import JITFunction
+    """Types of the kernel module's device code: @triton.jit functions (JITFunction, or the
+    interpreter's InterpretedFunction) and @triton.constexpr_function's (ConstexprFunction,
+    Triton 3.5 and later), which work out compile-time values such as the compute dtype."""
+    from triton.runtime import jit
+    types = [jit.JITFunction, jit.ConstexprFunction]
     try:
         from triton.runtime.interpreter import InterpretedFunction
+        types.append(InterpretedFunction)
     except ImportError:
-        return (JITFunction,)
-    return JITFunction, InterpretedFunction
+        pass
+    return tuple(types)
 
 
 def _device_code_parts(kernel, launch):

@@ -56,7 +56,7 @@ kernels, `_rope_tile` (one tile: `_tile_inputs` loads it and applies the forward
 `_tile_rotation` works out its angles, `_rotate_and_store` rotates (after the forward's norm
 where `Variant.NORM_AFTER_ANGLES` puts it there), takes the backward's norm and stores;
 `_rope_pair_tile` shares one rotation between a query and a key tile), the norm's arithmetic
-(`_rstd`, `_rms_norm_backward`), the tokens' positions (`_positions`, the thd search of
+(`_rms_norm`, `_rstd`, `_rms_norm_backward`), the tokens' positions (`_positions`, the thd search of
 cu_seqlens), the angles (`_tile_angles`, from a table or from positions), and last the
 arithmetic: fma, sin and cos.
 """
@@ -366,6 +366,13 @@ def _typed_view(view):
     return View(view.ptr, view.strides)
 
 
+@triton.constexpr_function
+def _compute_dtype(dtype):
+    """The arithmetic's dtype for data of `dtype`: float64 for float64 (so that `gradcheck`
+    can run through the kernel), else float32."""
+    return tl.float64 if dtype == tl.float64 else tl.float32
+
+
 class PositionsTile(NamedTuple):
     """The compile-time choices of sequence_positions_kernel (its `cfg`), as Variant names
     them."""
@@ -442,7 +449,7 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
     Triton pipelines only innermost `for` loops, so the tile's angles are shared across its
     threads another way there (`_tile_angles`). Otherwise (and in the interpreter: those of
     Triton 3.5.1 and 3.6 fail on a `range` over tensor bounds) a plain `while` loop."""
-    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
+    compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
     offs, channels_ok = _pair_channels(shape.rotary_dim, shape.rotary_dim // 2, cfg)
     offs_p = _pass_channels(shape.rotary_dim, cfg)
     # The sums of dL/dweight per token of the tile, as `_rope_tile` returns them, summed over
@@ -554,7 +561,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     inputs = _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx,
                           norm, weights, cfg)
     BLOCK_H: tl.constexpr = heads.shape[0]
-    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
+    compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
                               shape.rotary_dim, freqs, compute_dtype, BLOCK_H > 1, cfg)
     return _rotate_and_store(inputs, rotation, norm, cfg)
@@ -587,7 +594,7 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
     x_base = _tile_base(x, seq_idx, batch_idx, _head_offsets(x, heads, heads_per_group))
     out_base = _tile_base(out, seq_idx, batch_idx, _head_offsets(out, heads, heads_per_group))
     x_dim = x.strides[-1]
-    compute_dtype = tl.float64 if x.ptr.dtype.element_ty == tl.float64 else tl.float32
+    compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
     BLOCK_T: tl.constexpr = tok_ok.shape[0]
     BLOCK_H: tl.constexpr = heads.shape[0]
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
@@ -645,9 +652,8 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
                                           compute_dtype, cfg)
         width = _norm_width(shape, cfg)
         if NORM_FORWARD and not NORM_LATE:
-            x_pass = x_pass.to(compute_dtype)
-            rstd = _rstd(x1, x2, x_pass, width, norm.eps, cfg)
-            x1, x2, x_pass = x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
+            x1, x2, x_pass = _rms_norm(x1, x2, x_pass.to(compute_dtype), w1, w2, w_pass, width,
+                                       norm.eps, cfg)
     return TileInputs(x1, x2, x_pass, n1, n2, n_pass, w1, w2, w_pass, width, mask, mask_p, offs,
                       offs_p, out_base, out.strides[-1], half)
 
@@ -697,8 +703,7 @@ def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr):
         w1 = inputs.w1.to(compute_dtype) + norm.offset
         w2 = inputs.w2.to(compute_dtype) + norm.offset
         w_pass = inputs.w_pass.to(compute_dtype) + norm.offset
-        rstd = _rstd(x1, x2, x_pass, inputs.width, norm.eps, cfg)
-        x1, x2, x_pass = x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
+        x1, x2, x_pass = _rms_norm(x1, x2, x_pass, w1, w2, w_pass, inputs.width, norm.eps, cfg)
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))
@@ -837,6 +842,14 @@ def _weight_rows(ptr, heads, shape, cfg: tl.constexpr):
     else:
         rows, rows_ok = ptr + tl.zeros([1, 1, 1], tl.int32), tl.full([1, 1, 1], 1, tl.int1)
     return rows, rows_ok
+
+
+@triton.jit
+def _rms_norm(x1, x2, x_pass, w1, w2, w_pass, width, eps, cfg: tl.constexpr):
+    """The forward's norm: x * rstd * w for both members of the pairs and the channels past
+    them (w the weight plus its offset)."""
+    rstd = _rstd(x1, x2, x_pass, width, eps, cfg)
+    return x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
 
 
 @triton.jit
