@@ -2093,12 +2093,12 @@ def _norm_case_angles(angles):
 
 _QK_NORM_CASES = {
     # name: (q shape, k shape, format, angles, options, norm_over, the launches of forward and
-    # backward under the GPU launch rule; one second pass for both weights of one width)
+    # backward under the GPU launch rule; one second pass for both weights of one width). A
+    # one-head key's forward takes pair tiles (test_qk_norm_forward_takes_pair_tiles_where_the_rule_says).
     "4:1 heads, exact angles": ((6, 2, 4, 32), (6, 2, 1, 32), "sbhd", "module", {}, "head",
                                 {"rotary_qk_kernel": 2, "weight_gradient_kernel": 1}),
-    # A table's forward tiles of one head take other warps than those of four: two launches.
     "4:1 heads, table": ((6, 2, 4, 32), (6, 2, 1, 32), "sbhd", "table", {}, "head",
-                         {"rotary_kernel": 2, "rotary_qk_kernel": 1, "weight_gradient_kernel": 1}),
+                         {"rotary_qk_kernel": 2, "weight_gradient_kernel": 1}),
     "thd, tokens outside sequences, offset": ((15, 4, 32), (15, 1, 32), "thd", "module",
                                               {"cu_seqlens": [2, 7, 7, 13], "norm_offset": 1.0},
                                               "head", {"rotary_qk_kernel": 2,
@@ -2112,8 +2112,8 @@ _QK_NORM_CASES = {
                                                    {"rotary_qk_kernel": 2, "weight_gradient_kernel": 1}),
     # More query heads than the positions tile takes: the key's forward tile is the query's
     # plain one too (NORM_POSITIONS_TILE_BYTES), so the forward is one launch. That tile is
-    # not the one k's own call takes, so its norm's sums add up in another order on a GPU:
-    # k's output equals that call's to float32 rounding (_QK_NORM_KEY_RETILED).
+    # not the one k's own call takes, so its norm's sums may add up in another order on a
+    # GPU: k's output equals that call's to float32 rounding (_QK_NORM_KEY_RETILED).
     "20:4 heads, exact angles": ((4, 2, 20, 32), (4, 2, 4, 32), "sbhd", "module", {}, "head",
                                  {"rotary_qk_kernel": 2, "weight_gradient_kernel": 1}),
     # A query of one head keeps its tile (4 warps), which the key's positions tile joins.
@@ -2128,7 +2128,10 @@ _QK_NORM_CASES = {
 }
 
 
-_QK_NORM_KEY_RETILED = {"20:4 heads, exact angles"}
+# Keys in another forward tile than their own call's: those of the query's plain tile, and
+# one-head keys, whose forward takes pair tiles (`_norm_pair_tiles`).
+_QK_NORM_KEY_RETILED = {"20:4 heads, exact angles", "4:1 heads, exact angles", "4:1 heads, table",
+                        "thd, tokens outside sequences, offset"}
 
 
 @pytest.mark.parametrize("name", list(_QK_NORM_CASES))
@@ -2187,6 +2190,61 @@ def test_qk_norm_pair_matches_separate_calls(name, monkeypatch):
         unfused = apply_rotary_pos_emb(x.detach(), freqs, fmt, fused=False, norm_weight=w.detach(),
                                        **options)
         torch.testing.assert_close(outs[i].detach(), unfused, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
+    """The forward of q and k with per-head norms takes pair tiles (one rotary_qk_kernel launch
+    whose programs hold a query tile and the key heads of its tokens) where a query of several
+    heads meets a key of one, whatever the angles; not for a one-head query, more key heads or
+    a norm over the token, and never in the backward (`_norm_pair_tiles`). The pair tile is
+    q's own forward tile, but for 2 to PAIR_FEW_HEADS query heads: after the angles with exact
+    angles, half the plain tile with a table. Each output equals its own call's to float32
+    rounding."""
+    monkeypatch.setattr(triton_rotary_launch, "_sm_count", lambda device: 1)
+    L = triton_rotary_launch
+    row = 32 * 4                                    # bytes of one head of d 32 in float32
+    positions_rows, plain_rows = L.NORM_POSITIONS_TILE_BYTES // row, L.TILE_BYTES // row
+    module = RotaryPositionEmbedding(32, device=DEVICE)
+    cases = {   # name: (query heads, key heads, angles, norm_over, the pair tile's
+                #        (NORM_AFTER_ANGLES, tokens x heads) or None: no pair tiles)
+        "4:1, exact angles": (4, 1, module, "head", (False, positions_rows)),
+        "4:1, table": (4, 1, module(128), "head", (True, plain_rows)),
+        "2:1, exact angles": (2, 1, module, "head", (True, positions_rows)),
+        "2:1, table": (2, 1, module(128), "head", (True, plain_rows // 2)),
+        "1:1, exact angles": (1, 1, module, "head", None),
+        "8:2, exact angles": (8, 2, module, "head", None),
+        "4:1, over the token": (4, 1, module, "token", None),
+    }
+    assert L.PAIR_FEW_HEADS == 2    # the cases of 2 query heads are the few-head ones
+    torch.manual_seed(76)
+    found, expected = {}, {}
+    for name, (q_heads, k_heads, freqs, over, pair) in cases.items():
+        q = torch.randn(128, 1, q_heads, 32, device=DEVICE, requires_grad=True)
+        k = torch.randn(128, 1, k_heads, 32, device=DEVICE, requires_grad=True)
+        width = (lambda heads: 32) if over == "head" else (lambda heads: heads * 32)
+        wq = 1 + 0.2 * torch.randn(width(q_heads), device=DEVICE)
+        wk = 1 + 0.2 * torch.randn(width(k_heads), device=DEVICE)
+        L._PLANS.clear()
+        with L.use_launch_rule(L.GPU_RULE):
+            outs = apply_rotary_pos_emb_qk(q, k, freqs, q_norm_weight=wq, k_norm_weight=wk,
+                                           norm_over=over)
+            forward = list(L._PLANS.values())
+            L._PLANS.clear()
+            sum(o.sum() for o in outs).backward()
+            backward = list(L._PLANS.values())
+        (plan,) = forward
+        if plan.launch is not None and plan.launch.cfg[1] is None:       # pair tiles
+            cfg = plan.launch.cfg[0]
+            found[name] = (cfg.NORM_AFTER_ANGLES, cfg.BLOCK_T * cfg.BLOCK_H)
+        else:
+            found[name] = None
+        expected[name] = pair
+        assert not any(p.launch is not None and p.launch.cfg[1] is None for p in backward), name
+        for x, w, out in ((q, wq, outs[0]), (k, wk, outs[1])):
+            with L.use_launch_rule(L.GPU_RULE):
+                ref = apply_rotary_pos_emb(x.detach(), freqs, norm_weight=w, norm_over=over)
+            torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6, msg=name)
+    assert found == expected
 
 
 def test_qk_pair_gradcheck_norms_and_bad_input():
@@ -3173,6 +3231,7 @@ def _planned_calls():
                   lambda f=freqs: qk(t, t[:, :, :8], f),
                   lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens),
                   lambda f=freqs: qk(t[:, :, :4], t[:, :, :1], f, **qk_norm),
+                  lambda f=freqs: qk(t[:, :, :2], t[:, :, :1], f, **qk_norm),
                   lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens, **qk_norm)]
     calls += [lambda: rope(t, half), lambda: rope(t, half, **head),
               lambda: rope(t, exact, positions=torch.arange(s, device=DEVICE)),

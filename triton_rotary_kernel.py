@@ -282,17 +282,20 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
 def rotary_qk_kernel(q, k, angles, positions, shape, q_norm, k_norm, num_tokens, seq_len, batch,
                      cp_size, cp_rank, cfg: tl.constexpr, k_cfg: tl.constexpr):
-    """RoPE of q and k (InOuts) by the same angles, in one launch; `shape` a QKShape.
+    """RoPE of q and k (InOuts) by the same angles, in one launch; `shape` a QKShape; q_norm
+    and k_norm the norms of q and k (Norms, or both None).
 
-    Without norms (k_cfg None), a program takes BLOCK_H query heads and BLOCK_KV key heads of
-    a token block and works their angles out once for both (`_rope_pair_tile`): a token's key
+    Pair tiles (k_cfg None): a program takes BLOCK_H query heads and BLOCK_KV key heads of a
+    token block and works their angles out once for both (`_rope_pair_tile`): a token's key
     heads are few (one per 4-8 query heads under GQA, one per rank under tensor parallelism),
-    and a tile of key heads alone works out about as many angles as it rotates pairs.
+    and a tile of key heads alone works out about as many angles as it rotates pairs. Without
+    norms always; with them, a forward whose key has one head (the launcher's
+    `_norm_pair_tiles` says why).
 
-    With norms (q_norm and k_norm Norms), the launch is q's rotary_kernel launch (tiles of
-    `cfg`) and k's (tiles of `k_cfg`) on one flat grid, q's programs first: each tensor keeps
-    the tiles of its own call (a key tile sized to share the query's tokens would be a
-    quarter of one), and the launch saves one launch and its tail per step."""
+    Otherwise (norms), the launch is q's rotary_kernel launch (tiles of `cfg`) and k's (tiles
+    of `k_cfg`) on one flat grid, q's programs first: each tensor keeps the tiles of its own
+    call (a key tile sized to share the query's tokens would be a quarter of one), and the
+    launch saves one launch and its tail per step."""
     q, k = _typed_in_out(q), _typed_in_out(k)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
     q_shape = HeadShape(shape.q_heads, shape.head_dim, shape.rotary_dim)
@@ -302,7 +305,7 @@ def rotary_qk_kernel(q, k, angles, positions, shape, q_norm, k_norm, num_tokens,
         q_heads = head_program * cfg.BLOCK_H + tl.arange(0, cfg.BLOCK_H)
         k_heads = head_program * cfg.BLOCK_KV + tl.arange(0, cfg.BLOCK_KV)
         _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles,
-                        positions, cfg)
+                        positions, q_norm, k_norm, cfg)
     else:
         if cfg.BACKWARD:
             q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
@@ -569,19 +572,22 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
 
 @triton.jit
 def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens, angles,
-                    positions, cfg: tl.constexpr):
-    """`_rope_tile` (without a norm) for a tile of query heads and one of key heads (q and k
-    InOuts) of the same tokens, both loaded before the angles, which are worked out once
-    for the two."""
+                    positions, q_norm, k_norm, cfg: tl.constexpr):
+    """`_rope_tile` (forward only with norms) for a tile of query heads and one of key heads
+    (q and k InOuts) of the same tokens, both loaded before the angles, which are worked out
+    once for the two."""
+    tl.static_assert(cfg.NORM == NO_NORM or not cfg.BACKWARD,
+                     "the backward of a norm takes q's and k's own tiles")
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
-    q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok_ok, seq_idx, batch_idx, None,
-                            None, cfg)
-    k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok_ok, seq_idx, batch_idx, None,
-                            None, cfg)
+    q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok_ok, seq_idx, batch_idx,
+                            q_norm, None, cfg)
+    k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok_ok, seq_idx, batch_idx,
+                            k_norm, None, cfg)
+    compute_dtype: tl.constexpr = _compute_dtype(q.src.ptr.dtype.element_ty)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
-                              q_shape.rotary_dim, None, q_inputs.x1.dtype, True, cfg)
-    _rotate_and_store(q_inputs, rotation, None, cfg)
-    _rotate_and_store(k_inputs, rotation, None, cfg)
+                              q_shape.rotary_dim, None, compute_dtype, True, cfg)
+    _rotate_and_store(q_inputs, rotation, q_norm, cfg)
+    _rotate_and_store(k_inputs, rotation, k_norm, cfg)
 
 
 @triton.jit

@@ -101,6 +101,18 @@ NORM_ONE_HEAD_WARPS = 4
 NORM_POSITIONS_TILE_BYTES = 8192
 NORM_POSITIONS_WARPS = 4
 NORM_POSITIONS_MAX_HEADS = 16
+# Pair tiles of q and k with norms (`_norm_pair_tiles`) are q's forward tile with the key heads
+# of its tokens joined. A query of 2 to PAIR_FEW_HEADS heads shares each angle among few heads,
+# so that tile works out more angles per byte it moves: with exact angles it normalizes after
+# them (Variant.NORM_AFTER_ANGLES: their arithmetic fills the wait for the loads), with a table
+# it holds half the plain tile's bytes. Kernels alone, bf16, in copies of q and k, H100, three
+# runs (artifacts/qknorm/one_head_key_pair_tiles_ab_h100.log), q's own tile against this:
+# Gemma 3 under TP 8 (2 query heads of d 256, 32K tokens) exact 1.060-1.081 -> 0.975-0.980,
+# table 1.595-1.626 -> 1.262-1.266 (q's and k's own tiles: 1.043-1.046 and 1.777-1.827);
+# Qwen3-8B under TP 16 (2 of d 128, 64K) exact 0.971-0.974 -> 0.967-0.972, table
+# 1.434-1.503 -> 1.258-1.269. At 4 query heads both lost: after the angles 0.836 -> 0.878-0.884
+# (TP 8, 16K tokens), half the tile 1.028-1.031 -> 1.075-1.084.
+PAIR_FEW_HEADS = 2
 # The backward takes tiles of NORM_BACKWARD_ROWS (token, head) rows (a norm over the whole
 # token: whole tokens), the fused QKV's query tiles too, in as many warps as give each thread
 # NORM_BACKWARD_THREAD_ELEMENTS elements of the tile, at most NORM_BACKWARD_MAX_WARPS, and
@@ -192,6 +204,7 @@ class LaunchRule(NamedTuple):
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
     qkv_norm_backward_max_registers: int    # 0: no cap
+    pair_few_heads: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
@@ -199,12 +212,13 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
-                      NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS)
+                      NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS, PAIR_FEW_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
-                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0)
+                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0,
+                              PAIR_FEW_HEADS)
 _RULE_OVERRIDE = [None]
 
 
@@ -1054,12 +1068,13 @@ def _positions_mode(source, positions):
 def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
                interleaved, backward, out, positions, inverse, norm, norm_input, k=None,
                name="t", gpu_share=1.0, beside_plain_query=False):
-    """The plan of a call of set_rotary_kernel, or with `k`, of set_rotary_qk_kernel without
-    norms (`t` then being q). `name`: t's name in errors (its norm's arguments are then
-    `{name}_norm_weight`, `{name}_input`); `gpu_share`: the share of the GPU's resident
-    programs a norm's backward takes (`norm_programs`); `beside_plain_query`: t is the key
-    of a q,k forward with norms whose query takes the plain tile (NORM_POSITIONS_TILE_BYTES
-    says why it then does too)."""
+    """The plan of a call of set_rotary_kernel, or with `k`, of set_rotary_qk_kernel in pair
+    tiles (`t` then being q; without norms, or the forward with q's norm, `_norm_pair_tiles`,
+    k's then in the launch's second Norm group). `name`: t's name in errors (its norm's
+    arguments are then `{name}_norm_weight`, `{name}_input`); `gpu_share`: the share of the
+    GPU's resident programs a norm's backward takes (`norm_programs`); `beside_plain_query`:
+    t is the key of a q,k forward with norms whose query takes the plain tile
+    (NORM_POSITIONS_TILE_BYTES says why it then does too)."""
     if k is not None:
         name = "q"
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
@@ -1119,6 +1134,11 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         tile_bytes, positions_tile = rule.tile_bytes, False
     elif positions_tile:
         tile_bytes = rule.norm_positions_tile_bytes
+    # Pair tiles with norms, of a query of few heads (PAIR_FEW_HEADS says why).
+    few_head_pairs = (k is not None and norm is not None
+                      and 1 < shape.nheads <= rule.pair_few_heads)
+    if few_head_pairs and not source.from_positions:
+        tile_bytes //= 2
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
         element_size=t.element_size(), tile_bytes=tile_bytes, rule=rule,
@@ -1149,7 +1169,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                  else 0),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   NORM_AFTER_ANGLES=(norm is not None and not backward
-                                     and _norm_after_angles(source, tile, norm, searches)),
+                                     and (_norm_after_angles(source, tile, norm, searches)
+                                          or (few_head_pairs and source.from_positions
+                                              and not searches))),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
                                                    norm_backward, searches))
     if k is None:
@@ -1289,9 +1311,10 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
     """`set_rotary_kernel` of q and of k by the same angles, in one launch of
     `rotary_qk_kernel`: q and k of the same tokens and head dim, any head counts, any strides.
     Returns (q's result, k's), contiguous. q_norm and k_norm (RMSNorms, both or neither)
-    normalize q and k before the rotation, in one launch where q's and k's own tiles allow it
-    (`_joins`), else in two; their backward reads the forward's q and k (q_input, k_input)
-    and returns (dq, dk, the gradient of q_norm.weight, that of k_norm.weight)."""
+    normalize q and k before the rotation, in one launch of pair tiles (`_norm_pair_tiles`)
+    or of q's and k's own tiles where those allow it (`_joins`), else in two; their backward
+    reads the forward's q and k (q_input, k_input) and returns (dq, dk, the gradient of
+    q_norm.weight, that of k_norm.weight)."""
     check_norm_pair(q_norm, k_norm)
     norm_backward = q_norm is not None and backward
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and (
@@ -1380,10 +1403,11 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
                        k_input):
     """The plan of set_rotary_qk_kernel with norms (q and k not empty): each tensor planned as
     its own call of set_rotary_kernel (but a key beside a query in the plain tile, forward:
-    NORM_POSITIONS_TILE_BYTES), then both launched as one where that keeps each tensor's
-    tiles as they are (`_joins`); else the two launches. A norm's backward in one launch
-    keeps about as many programs resident as one call would, shared between q and k in
-    proportion to their sizes (each program loops over its share of the token blocks)."""
+    NORM_POSITIONS_TILE_BYTES), then pair tiles where `_norm_pair_tiles` says so, else both
+    launched as one where that keeps each tensor's tiles as they are (`_joins`), else the two
+    launches. A norm's backward in one launch keeps about as many programs resident as one
+    call would, shared between q and k in proportion to their sizes (each program loops over
+    its share of the token blocks)."""
     check_qk_pair(q, k)
     for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
         if not isinstance(norm, RMSNorm):
@@ -1400,6 +1424,11 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     beside_plain_query = (not backward and q_heads > 1
                           and not _norm_positions_tile(launch_rule(), source, q_heads))
     k_plan = plan(k, k_norm, k_input, "k", beside_plain_query=beside_plain_query)
+    if _norm_pair_tiles(backward, q_heads, k.shape[-2], q_norm, k_norm):
+        pair = _make_plan(q, source, tensor_format, start_positions, cu_seqlens, cp_size,
+                          cp_rank, interleaved, backward, None, positions, inverse, q_norm, None,
+                          k)
+        return _QKNormPlan(pair.launch, q_plan, k_plan, pair.shape)
     if not _joins(q_plan.launch, k_plan.launch):
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
                            weight_gradients=_qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
@@ -1425,6 +1454,26 @@ def _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm):
         return ()
     return _weight_gradient_plans(q_plan.weight_gradient.rows[0], k_plan.weight_gradient.rows[0],
                                   q_norm, k_norm)
+
+
+def _norm_pair_tiles(backward, q_heads, k_heads, q_norm, k_norm):
+    """Whether a q,k forward with norms takes pair tiles (rotary_qk_kernel's: a tile of query
+    heads with the key heads of its tokens, their angles worked out once for both), planned as
+    q's own forward tile with the key heads joined (PAIR_FEW_HEADS: but for few query heads):
+    where a query of several heads meets a key of one, under a per-head norm (a rank of tensor
+    parallelism with as many ranks as key heads, or more).
+
+    Alone, a one-head key tile works out an angle for every pair it rotates, and with TE's
+    table reads a table row per token a second time. Kernels alone, bf16, in copies of q and k,
+    H100, three runs (artifacts/qknorm/one_head_key_pair_tiles_ab_h100.log), against q's and
+    k's own tiles: Qwen3-8B under TP 8 (4 query heads) at 16K tokens exact 0.867-0.870 ->
+    0.836-0.841, table 1.264-1.277 -> 1.028-1.031, at 64K exact 0.990-0.995 -> 0.979-0.989,
+    table 1.401-1.411 -> 1.166-1.172; Qwen3-32B under TP 8 (8) exact 0.981-0.990 ->
+    0.972-0.982, table 1.242-1.249 -> 1.090-1.094; forward + backward lower by about as much.
+    Not measured on the H200, nor for a one-head query (its own tile, NORM_ONE_HEAD_WARPS),
+    which keeps separate tiles."""
+    return (not backward and q_heads > 1 and k_heads == 1
+            and q_norm.over == k_norm.over == "head")
 
 
 def _norm_after_angles(source, tile, norm, searches):
