@@ -25,6 +25,16 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def gradcheck(fn, inputs, order=1):
+    """torch.autograd.gradcheck of fn at float64 inputs (gradgradcheck with order=2). On a GPU
+    the whole Jacobian against finite differences; under Triton's interpreter in fast mode, a
+    random projection v^T J u of it, which a wrong gradient formula fails as well: the whole
+    Jacobian takes two kernel calls per input element and one per output element, about 500
+    interpreted launches for a QK-norm case, minutes of `make test` on 2 cores."""
+    check = torch.autograd.gradcheck if order == 1 else torch.autograd.gradgradcheck
+    return check(fn, inputs, fast_mode=not ON_GPU)
+
+
 def te(loader=load_te_rope, what="fused RoPE"):
     """TE's fused RoPE (or another of its functions, by loader), else skip saying why."""
     fn, reason = loader()
