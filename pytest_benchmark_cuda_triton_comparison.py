@@ -2199,8 +2199,8 @@ def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
     heads meets a key of one, whatever the angles; not for a one-head query, more key heads or
     a norm over the token, and never in the backward (`_norm_pair_tiles`). The pair tile is
     q's own forward tile, but for 2 to PAIR_FEW_HEADS query heads: after the angles with exact
-    angles, half the plain tile with a table. Each output equals its own call's to float32
-    rounding."""
+    angles, half the plain tile with a table. Each output of pair tiles equals its own call's to
+    float32 rounding (the separate tiles' outputs: test_qk_norm_pair_matches_separate_calls)."""
     monkeypatch.setattr(triton_rotary_launch, "_sm_count", lambda device: 1)
     L = triton_rotary_launch
     row = 32 * 4                                    # bytes of one head of d 32 in float32
@@ -2229,18 +2229,17 @@ def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
         with L.use_launch_rule(L.GPU_RULE):
             outs = apply_rotary_pos_emb_qk(q, k, freqs, q_norm_weight=wq, k_norm_weight=wk,
                                            norm_over=over)
-            forward = list(L._PLANS.values())
-            L._PLANS.clear()
+        (plan,) = L._PLANS.values()
+        expected[name], found[name] = pair, None
+        if plan.launch is None or plan.launch.cfg[1] is not None:         # separate tiles
+            continue
+        cfg = plan.launch.cfg[0]
+        found[name] = (cfg.NORM_AFTER_ANGLES, cfg.BLOCK_T * cfg.BLOCK_H)
+        L._PLANS.clear()
+        with L.use_launch_rule(L.GPU_RULE):
             sum(o.sum() for o in outs).backward()
-            backward = list(L._PLANS.values())
-        (plan,) = forward
-        if plan.launch is not None and plan.launch.cfg[1] is None:       # pair tiles
-            cfg = plan.launch.cfg[0]
-            found[name] = (cfg.NORM_AFTER_ANGLES, cfg.BLOCK_T * cfg.BLOCK_H)
-        else:
-            found[name] = None
-        expected[name] = pair
-        assert not any(p.launch is not None and p.launch.cfg[1] is None for p in backward), name
+        assert not any(p.launch is not None and p.launch.cfg[1] is None
+                       for p in L._PLANS.values()), name
         for x, w, out in ((q, wq, outs[0]), (k, wk, outs[1])):
             with L.use_launch_rule(L.GPU_RULE):
                 ref = apply_rotary_pos_emb(x.detach(), freqs, norm_weight=w, norm_over=over)
