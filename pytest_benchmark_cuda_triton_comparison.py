@@ -2198,7 +2198,7 @@ def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
     whose programs hold a query tile and the key heads of its tokens) where a query of several
     heads meets a key of one, whatever the angles; not for a one-head query, more key heads or
     a norm over the token, and never in the backward (`_norm_pair_tiles`). The pair tile is
-    q's own forward tile, but for 2 to PAIR_FEW_HEADS query heads: after the angles with exact
+    q's own forward tile, but for 2 to NORM_PAIR_FEW_HEADS query heads: after the angles with exact
     angles, half the plain tile with a table. Each output of pair tiles equals its own call's to
     float32 rounding (the separate tiles' outputs: test_qk_norm_pair_matches_separate_calls)."""
     monkeypatch.setattr(triton_rotary_launch, "_sm_count", lambda device: 1)
@@ -2216,7 +2216,8 @@ def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
         "8:2, exact angles": (8, 2, module, "head", None),
         "4:1, over the token": (4, 1, module, "token", None),
     }
-    assert L.PAIR_FEW_HEADS == 2    # the cases of 2 query heads are the few-head ones
+    # The cases of one key head take pair tiles, and those of 2 query heads are few-head ones.
+    assert (L.NORM_PAIR_KEY_HEADS, L.NORM_PAIR_FEW_HEADS) == (1, 2)
     torch.manual_seed(76)
     found, expected = {}, {}
     for name, (q_heads, k_heads, freqs, over, pair) in cases.items():

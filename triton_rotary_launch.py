@@ -101,18 +101,30 @@ NORM_ONE_HEAD_WARPS = 4
 NORM_POSITIONS_TILE_BYTES = 8192
 NORM_POSITIONS_WARPS = 4
 NORM_POSITIONS_MAX_HEADS = 16
-# Pair tiles of q and k with norms (`_norm_pair_tiles`) are q's forward tile with the key heads
-# of its tokens joined. A query of 2 to PAIR_FEW_HEADS heads shares each angle among few heads,
-# so that tile works out more angles per byte it moves: with exact angles it normalizes after
-# them (Variant.NORM_AFTER_ANGLES: their arithmetic fills the wait for the loads), with a table
-# it holds half the plain tile's bytes. Kernels alone, bf16, in copies of q and k, H100, three
-# runs (artifacts/qknorm/one_head_key_pair_tiles_ab_h100.log), q's own tile against this:
-# Gemma 3 under TP 8 (2 query heads of d 256, 32K tokens) exact 1.060-1.081 -> 0.975-0.980,
-# table 1.595-1.626 -> 1.262-1.266 (q's and k's own tiles: 1.043-1.046 and 1.777-1.827);
-# Qwen3-8B under TP 16 (2 of d 128, 64K) exact 0.971-0.974 -> 0.967-0.972, table
-# 1.434-1.503 -> 1.258-1.269. At 4 query heads both lost: after the angles 0.836 -> 0.878-0.884
-# (TP 8, 16K tokens), half the tile 1.028-1.031 -> 1.075-1.084.
-PAIR_FEW_HEADS = 2
+# The forward of q and k with per-head norms takes pair tiles (`_norm_pair_tiles`: q's own
+# forward tile with the key heads of its tokens joined, their angles worked out once for both)
+# where a query of several heads meets at most NORM_PAIR_KEY_HEADS key heads. Alone, a
+# one-head key tile works out an angle for every pair it rotates, and with TE's table reads a
+# table row per token a second time. Kernels alone, bf16, in copies of q and k, H100, three runs
+# (artifacts/qknorm/one_head_key_pair_tiles_ab_h100.log, `python rope_qknorm_pair_tiles.py`),
+# against q's and k's own tiles: Qwen3-8B under TP 8 (4 query heads) at 16K tokens exact angles
+# 0.867-0.870 -> 0.836-0.841, TE's table 1.264-1.277 -> 1.028-1.031, at 64K 0.990-0.995 ->
+# 0.979-0.989 and 1.401-1.411 -> 1.166-1.172; Qwen3-32B under TP 8 (8 query heads) 0.981-0.990
+# -> 0.972-0.982 and 1.242-1.249 -> 1.090-1.094; forward + backward lower by about as much. Not
+# measured on the H200, nor for a one-head query (its own tile, NORM_ONE_HEAD_WARPS), which
+# keeps separate tiles. With Qwen3-8B's 8 key heads, pair tiles (an earlier kernel) were slower
+# on the H200: 1.17-1.20 against 1.02-1.06 (artifacts/qknorm/pair_tiles_ab_h200.log).
+# A query of 2 to NORM_PAIR_FEW_HEADS heads shares each angle among few heads, so its pair tile
+# works out more angles per byte it moves: with exact angles it normalizes after them
+# (Variant.NORM_AFTER_ANGLES: their arithmetic fills the wait for the loads), with a table it
+# holds half the plain tile's bytes. Same runs, q's own tile against this: Gemma 3 under TP 8
+# (2 query heads of d 256, 32K tokens) exact 1.060-1.081 -> 0.975-0.980, table 1.595-1.626 ->
+# 1.262-1.266 (q's and k's own tiles: 1.043-1.046 and 1.777-1.827); Qwen3-8B under TP 16 (2 of
+# d 128, 64K) exact 0.971-0.974 -> 0.967-0.972, table 1.434-1.503 -> 1.258-1.269. At 4 query
+# heads both lost: after the angles 0.836 -> 0.878-0.884 (TP 8, 16K tokens), half the tile
+# 1.028-1.031 -> 1.075-1.084.
+NORM_PAIR_KEY_HEADS = 1
+NORM_PAIR_FEW_HEADS = 2
 # The backward takes tiles of NORM_BACKWARD_ROWS (token, head) rows (a norm over the whole
 # token: whole tokens), the fused QKV's query tiles too, in as many warps as give each thread
 # NORM_BACKWARD_THREAD_ELEMENTS elements of the tile, at most NORM_BACKWARD_MAX_WARPS, and
@@ -204,7 +216,8 @@ class LaunchRule(NamedTuple):
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
     qkv_norm_backward_max_registers: int    # 0: no cap
-    pair_few_heads: int
+    norm_pair_key_heads: int    # 0: no pair tiles with norms
+    norm_pair_few_heads: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
@@ -212,13 +225,14 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
-                      NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS, PAIR_FEW_HEADS)
+                      NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS,
+                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0,
-                              PAIR_FEW_HEADS)
+                              NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS)
 _RULE_OVERRIDE = [None]
 
 
@@ -1134,9 +1148,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         tile_bytes, positions_tile = rule.tile_bytes, False
     elif positions_tile:
         tile_bytes = rule.norm_positions_tile_bytes
-    # Pair tiles with norms, of a query of few heads (PAIR_FEW_HEADS says why).
+    # Pair tiles with norms, of a query of few heads (NORM_PAIR_KEY_HEADS says why).
     few_head_pairs = (k is not None and norm is not None
-                      and 1 < shape.nheads <= rule.pair_few_heads)
+                      and 1 < shape.nheads <= rule.norm_pair_few_heads)
     if few_head_pairs and not source.from_positions:
         tile_bytes //= 2
     grid, tile = launch_config(
@@ -1424,7 +1438,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     beside_plain_query = (not backward and q_heads > 1
                           and not _norm_positions_tile(launch_rule(), source, q_heads))
     k_plan = plan(k, k_norm, k_input, "k", beside_plain_query=beside_plain_query)
-    if _norm_pair_tiles(backward, q_heads, k.shape[-2], q_norm, k_norm):
+    if _norm_pair_tiles(launch_rule(), backward, q_heads, k.shape[-2], q_norm, k_norm):
         pair = _make_plan(q, source, tensor_format, start_positions, cu_seqlens, cp_size,
                           cp_rank, interleaved, backward, None, positions, inverse, q_norm, None,
                           k)
@@ -1456,23 +1470,12 @@ def _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm):
                                   q_norm, k_norm)
 
 
-def _norm_pair_tiles(backward, q_heads, k_heads, q_norm, k_norm):
+def _norm_pair_tiles(rule, backward, q_heads, k_heads, q_norm, k_norm):
     """Whether a q,k forward with norms takes pair tiles (rotary_qk_kernel's: a tile of query
     heads with the key heads of its tokens, their angles worked out once for both), planned as
-    q's own forward tile with the key heads joined (PAIR_FEW_HEADS: but for few query heads):
-    where a query of several heads meets a key of one, under a per-head norm (a rank of tensor
-    parallelism with as many ranks as key heads, or more).
-
-    Alone, a one-head key tile works out an angle for every pair it rotates, and with TE's
-    table reads a table row per token a second time. Kernels alone, bf16, in copies of q and k,
-    H100, three runs (artifacts/qknorm/one_head_key_pair_tiles_ab_h100.log), against q's and
-    k's own tiles: Qwen3-8B under TP 8 (4 query heads) at 16K tokens exact 0.867-0.870 ->
-    0.836-0.841, table 1.264-1.277 -> 1.028-1.031, at 64K exact 0.990-0.995 -> 0.979-0.989,
-    table 1.401-1.411 -> 1.166-1.172; Qwen3-32B under TP 8 (8) exact 0.981-0.990 ->
-    0.972-0.982, table 1.242-1.249 -> 1.090-1.094; forward + backward lower by about as much.
-    Not measured on the H200, nor for a one-head query (its own tile, NORM_ONE_HEAD_WARPS),
-    which keeps separate tiles."""
-    return (not backward and q_heads > 1 and k_heads == 1
+    q's own forward tile with the key heads joined: a query of several heads and at most
+    rule.norm_pair_key_heads key heads, under per-head norms (NORM_PAIR_KEY_HEADS says why)."""
+    return (not backward and q_heads > 1 and k_heads <= rule.norm_pair_key_heads
             and q_norm.over == k_norm.over == "head")
 
 

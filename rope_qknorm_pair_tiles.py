@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""q and k with per-head norms where the key has one head, under launch-rule variants: the
+evidence for NORM_PAIR_KEY_HEADS and NORM_PAIR_FEW_HEADS in triton_rotary_launch.py.
+
+    python rope_qknorm_pair_tiles.py OUT        # on a GPU, from the repository root
+
+For one rank of tensor parallelism (a query of 2-8 heads, a key of one), bf16, times
+`apply_rotary_pos_emb_qk` with norms, forward and forward + backward, with exact angles (the
+module) and with TE's table, under each rule of RULES, in units of one device copy of q and k.
+Each line is one CUDA graph over rotating buffer sets larger than L2, captured under its rule
+and replayed REPLAYS times per round, lines interleaved round-robin over ROUNDS rounds, median
+reported. Each rule's forward outputs are compared with the first rule's; a difference (the
+key's norm sums add up in another order in another tile) is printed. Writes OUT/pair_tiles.log.
+"""
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.getcwd())
+
+import torch
+
+import rope_qknorm_bench as qb
+import triton_rotary_launch as L
+import triton_rotary_main as trm
+from rope_bench import graphed
+
+POINTS = [  # model, query heads, head dim, norm offset, tokens; one key head
+    ("Qwen3-8B-TP8", 4, 128, 0.0, (16384, 65536)),
+    ("Qwen3-32B-TP8", 8, 128, 0.0, (32768,)),
+    ("Gemma-3-12B-TP8", 2, 256, 1.0, (32768,)),
+    ("Qwen3-8B-TP16", 2, 128, 0.0, (65536,)),
+]
+G = L.GPU_RULE
+RULES = {
+    "separate": G._replace(norm_pair_key_heads=0),          # q's and k's own tiles
+    "pair": G,
+    "pair_q_tile": G._replace(norm_pair_few_heads=0),       # q's own tile at every head count
+    "pair_16k_positions": G._replace(norm_positions_tile_bytes=16384),
+    "pair_8k_plain_4_warps": G._replace(tile_bytes=8192, norm_warps=4),
+}
+FORWARD_BACKWARD_RULES = ("separate", "pair")
+
+
+def median_us(graphs, sets):
+    """Median µs per step of each graph, over ROUNDS rounds of REPLAYS replays each."""
+    times = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(qb.ROUNDS):
+        for name, graph in graphs.items():        # round-robin: drift hits every line
+            start.record()
+            for _ in range(qb.REPLAYS):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / (qb.REPLAYS * len(sets)))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def point(model, hq, d, offset, s, log):
+    cfg = dict(qb.QWEN3, model=model, hq=hq, hk=1, d=d, offset=offset)
+    if offset:
+        cfg.update(norm=qb.hf_gemma3.Gemma3RMSNorm, hf=qb.hf_gemma3)
+    P = qb.build_point(cfg, s, torch.device("cuda"))
+    for angles, freqs in (("exact", P.rope), ("table", P.freqs)):
+        def line(S, freqs=freqs):
+            outs = trm.apply_rotary_pos_emb_qk(S.q, S.k, freqs, q_norm_weight=P.wq,
+                                               k_norm_weight=P.wk, norm_eps=qb.EPS,
+                                               norm_offset=offset, norm_over="head",
+                                               tensor_format="bshd")
+            return outs, (S.q, S.k, P.wq, P.wk), (S.gq, S.gk)
+        outputs = {}
+        for mode, names in (("fwd", list(RULES)), ("fwd_bwd", FORWARD_BACKWARD_RULES)):
+            copy = qb.make_step(None, mode)
+            graphs = {"copy": graphed(lambda: [copy(S) for S in P.sets])}
+            for name in names:
+                step = qb.make_step(line, mode)
+                with L.use_launch_rule(RULES[name]):     # plans are keyed by the rule
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            outputs[name] = [o.float() for o in line(P.sets[0])[0]]
+                    graphs[name] = graphed(lambda step=step: [step(S) for S in P.sets])
+            us = median_us(graphs, P.sets)
+            cells = "  ".join(f"{name}={us[name] / us['copy']:.3f}" for name in names)
+            log.append(f"{model:<16} {s:>6} {angles:<5} {mode:<7} {cells}   (copy {us['copy']:.1f} us)")
+            print(log[-1], flush=True)
+            for graph in graphs.values():
+                graph.reset()
+        first = next(iter(RULES))
+        for name, outs in outputs.items():
+            diff = max((a - b).abs().max().item() for a, b in zip(outs, outputs[first]))
+            if diff:
+                log.append(f"    {name}: max |out - {first}'s| = {diff:.3g}")
+                print(log[-1], flush=True)
+
+
+def main():
+    if len(sys.argv) != 2 or not torch.cuda.is_available():
+        sys.exit("usage: python rope_qknorm_pair_tiles.py OUT  (a CUDA device)")
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(0)
+    log = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}: forward (fwd) and forward "
+           f"+ backward (fwd_bwd) in copies of q and k, median of {qb.ROUNDS} rounds"]
+    print(log[0], flush=True)
+    for model, hq, d, offset, tokens in POINTS:
+        for s in tokens:
+            point(model, hq, d, offset, s, log)
+            torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "pair_tiles.log"), "w") as f:
+        f.write("\n".join(log) + "\n")
+
+
+if __name__ == "__main__":
+    main()
