@@ -8,12 +8,11 @@ For one rank of tensor parallelism (a query of 2-8 heads, a key of one), bf16, t
 `apply_rotary_pos_emb_qk` with norms, forward and forward + backward, with exact angles (the
 module) and with TE's table, under each rule of RULES, in units of one device copy of q and k.
 Each line is one CUDA graph over rotating buffer sets larger than L2, captured under its rule
-and replayed REPLAYS times per round, lines interleaved round-robin over ROUNDS rounds, median
-reported. Each rule's forward outputs are compared with the first rule's; a difference (the
-key's norm sums add up in another order in another tile) is printed. Writes OUT/pair_tiles.log.
+and timed as rope_qknorm_rules.py times its lines (round-robin rounds, median). Each rule's
+forward outputs are compared with the first rule's; a difference (the key's norm sums add up in
+another order in another tile) is printed. Writes OUT/pair_tiles.log.
 """
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.getcwd())
@@ -23,7 +22,7 @@ import torch
 import rope_qknorm_bench as qb
 import triton_rotary_launch as L
 import triton_rotary_main as trm
-from rope_bench import graphed
+from rope_qknorm_rules import ROUNDS, graphed_over, time_graphs
 
 POINTS = [  # model, query heads, head dim, norm offset, tokens; one key head
     ("Qwen3-8B-TP8", 4, 128, 0.0, (16384, 65536)),
@@ -42,21 +41,6 @@ RULES = {
 FORWARD_BACKWARD_RULES = ("separate", "pair")
 
 
-def median_us(graphs, sets):
-    """Median µs per step of each graph, over ROUNDS rounds of REPLAYS replays each."""
-    times = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(qb.ROUNDS):
-        for name, graph in graphs.items():        # round-robin: drift hits every line
-            start.record()
-            for _ in range(qb.REPLAYS):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / (qb.REPLAYS * len(sets)))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def point(model, hq, d, offset, s, log):
     cfg = dict(qb.QWEN3, model=model, hq=hq, hk=1, d=d, offset=offset)
     if offset:
@@ -71,16 +55,15 @@ def point(model, hq, d, offset, s, log):
             return outs, (S.q, S.k, P.wq, P.wk), (S.gq, S.gk)
         outputs = {}
         for mode, names in (("fwd", list(RULES)), ("fwd_bwd", FORWARD_BACKWARD_RULES)):
-            copy = qb.make_step(None, mode)
-            graphs = {"copy": graphed(lambda: [copy(S) for S in P.sets])}
+            graphs = {"copy": graphed_over(qb.make_step(None, mode), P.sets)}
             for name in names:
                 step = qb.make_step(line, mode)
                 with L.use_launch_rule(RULES[name]):     # plans are keyed by the rule
                     if mode == "fwd":
                         with torch.no_grad():
                             outputs[name] = [o.float() for o in line(P.sets[0])[0]]
-                    graphs[name] = graphed(lambda step=step: [step(S) for S in P.sets])
-            us = median_us(graphs, P.sets)
+                    graphs[name] = graphed_over(step, P.sets)
+            us = time_graphs(graphs, len(P.sets))
             cells = "  ".join(f"{name}={us[name] / us['copy']:.3f}" for name in names)
             log.append(f"{model:<16} {s:>6} {angles:<5} {mode:<7} {cells}   (copy {us['copy']:.1f} us)")
             print(log[-1], flush=True)
@@ -101,7 +84,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
     log = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}: forward (fwd) and forward "
-           f"+ backward (fwd_bwd) in copies of q and k, median of {qb.ROUNDS} rounds"]
+           f"+ backward (fwd_bwd) in copies of q and k, median of {ROUNDS} rounds"]
     print(log[0], flush=True)
     for model, hq, d, offset, tokens in POINTS:
         for s in tokens:
