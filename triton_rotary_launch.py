@@ -1183,9 +1183,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                  else 0),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   NORM_AFTER_ANGLES=(norm is not None and not backward
-                                     and (_norm_after_angles(source, tile, norm, searches)
-                                          or (few_head_pairs and source.from_positions
-                                              and not searches))),
+                                     and _norm_after_angles(source, tile, norm, searches,
+                                                            few_head_pairs)),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
                                                    norm_backward, searches))
     if k is None:
@@ -1479,10 +1478,12 @@ def _norm_pair_tiles(rule, backward, q_heads, k_heads, q_norm, k_norm):
             and q_norm.over == k_norm.over == "head")
 
 
-def _norm_after_angles(source, tile, norm, searches):
+def _norm_after_angles(source, tile, norm, searches, few_head_pairs=False):
     """Whether a forward with a norm normalizes after working out its tile's angles
-    (Variant.NORM_AFTER_ANGLES): a per-head norm in tiles of several heads that hold one token
-    or take their angles from a table, where no tile searches cu_seqlens.
+    (Variant.NORM_AFTER_ANGLES): where no tile searches cu_seqlens, a per-head norm in tiles
+    of several heads that hold one token or take their angles from a table, and the pair
+    tiles of a query of few heads with angles from positions (`few_head_pairs`;
+    NORM_PAIR_KEY_HEADS says why).
 
     The norm's sums wait for the tile's loads. A tile of several heads works its angles out in
     one-trip loops (`_tile_angles`), which the compiler does not move ahead of that wait;
@@ -1496,8 +1497,12 @@ def _norm_after_angles(source, tile, norm, searches):
     0.842 -> 0.897 of the pair's copy, OLMo 2's norm over the token 1.057 -> 1.106 (TE's
     table 1.155 -> 1.701), tiles that search cu_seqlens with TE's table 0.913 -> 0.987, and
     one-head tiles with TE's table 0.538 -> 0.566."""
-    return (norm.over == "head" and tile["BLOCK_H"] > 1 and not searches
-            and (tile["BLOCK_T"] == 1 or not source.from_positions))
+    if searches:
+        return False
+    if few_head_pairs and source.from_positions:
+        return True
+    return norm.over == "head" and tile["BLOCK_H"] > 1 and (tile["BLOCK_T"] == 1
+                                                            or not source.from_positions)
 
 
 def _joins(q_launch, k_launch):
