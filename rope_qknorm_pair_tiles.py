@@ -24,11 +24,11 @@ import triton_rotary_launch as L
 import triton_rotary_main as trm
 from rope_qknorm_rules import ROUNDS, graphed_over, time_graphs
 
-POINTS = [  # model, query heads, head dim, norm offset, tokens; one key head
-    ("Qwen3-8B-TP8", 4, 128, 0.0, (16384, 65536)),
-    ("Qwen3-32B-TP8", 8, 128, 0.0, (32768,)),
-    ("Gemma-3-12B-TP8", 2, 256, 1.0, (32768,)),
-    ("Qwen3-8B-TP16", 2, 128, 0.0, (65536,)),
+POINTS = [  # a model of rope_qknorm_bench.MODELS, its query heads at one rank, tokens; one key head
+    ("Qwen3-8B", 4, (16384, 65536)),
+    ("Qwen3-32B", 8, (32768,)),
+    ("Gemma-3-12B", 2, (32768,)),
+    ("Qwen3-8B", 2, (65536,)),
 ]
 G = L.GPU_RULE
 RULES = {
@@ -41,10 +41,11 @@ RULES = {
 FORWARD_BACKWARD_RULES = ("separate", "pair")
 
 
-def point(model, hq, d, offset, s, log):
-    cfg = dict(qb.QWEN3, model=model, hq=hq, hk=1, d=d, offset=offset)
-    if offset:
-        cfg.update(norm=qb.hf_gemma3.Gemma3RMSNorm, hf=qb.hf_gemma3)
+def point(model, hq, s, log):
+    """Time and compare the rules at `model`'s shapes (a dict of rope_qknorm_bench.MODELS) with
+    hq query heads and one key head: one rank of tensor parallelism over model["hq"] // hq."""
+    cfg = dict(model, model=f"{model['model']}-TP{model['hq'] // hq}", hq=hq, hk=1)
+    offset = cfg["offset"]
     P = qb.build_point(cfg, s, torch.device("cuda"))
     for angles, freqs in (("exact", P.rope), ("table", P.freqs)):
         def line(S, freqs=freqs):
@@ -65,7 +66,8 @@ def point(model, hq, d, offset, s, log):
                     graphs[name] = graphed_over(step, P.sets)
             us = time_graphs(graphs, len(P.sets))
             cells = "  ".join(f"{name}={us[name] / us['copy']:.3f}" for name in names)
-            log.append(f"{model:<16} {s:>6} {angles:<5} {mode:<7} {cells}   (copy {us['copy']:.1f} us)")
+            log.append(f"{cfg['model']:<16} {s:>6} {angles:<5} {mode:<7} {cells}   "
+                       f"(copy {us['copy']:.1f} us)")
             print(log[-1], flush=True)
             for graph in graphs.values():
                 graph.reset()
@@ -86,9 +88,10 @@ def main():
     log = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}: forward (fwd) and forward "
            f"+ backward (fwd_bwd) in copies of q and k, median of {ROUNDS} rounds"]
     print(log[0], flush=True)
-    for model, hq, d, offset, tokens in POINTS:
+    models = {m["model"]: m for m in qb.MODELS}
+    for name, hq, tokens in POINTS:
         for s in tokens:
-            point(model, hq, d, offset, s, log)
+            point(models[name], hq, s, log)
             torch.cuda.empty_cache()
     with open(os.path.join(out_dir, "pair_tiles.log"), "w") as f:
         f.write("\n".join(log) + "\n")
