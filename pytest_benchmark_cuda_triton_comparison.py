@@ -2196,8 +2196,9 @@ def test_qk_norm_pair_matches_separate_calls(name, monkeypatch):
 def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
     """The forward of q and k with per-head norms takes pair tiles (one rotary_qk_kernel launch
     whose programs hold a query tile and the key heads of its tokens) where a query of several
-    heads meets a key of one, whatever the angles; not for a one-head query, more key heads or
-    a norm over the token, and never in the backward (`_norm_pair_tiles`). The pair tile is
+    heads meets a key of one (with exact angles, a query of at most NORM_PAIR_EXACT_MAX_HEADS);
+    not for a one-head query, more key heads or a norm over the token, and never in the
+    backward (`_norm_pair_tiles`). The pair tile is
     q's own forward tile, but for 2 to NORM_PAIR_FEW_HEADS query heads: after the angles with exact
     angles, half the plain tile with a table. Each output of pair tiles equals its own call's to
     float32 rounding (the separate tiles' outputs: test_qk_norm_pair_matches_separate_calls)."""
@@ -2213,11 +2214,14 @@ def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
         "2:1, exact angles": (2, 1, module, "head", (True, positions_rows)),
         "2:1, table": (2, 1, module(128), "head", (True, plain_rows // 2)),
         "1:1, exact angles": (1, 1, module, "head", None),
+        "8:1, exact angles": (8, 1, module, "head", None),
+        "8:1, table": (8, 1, module(128), "head", (True, plain_rows)),
         "8:2, exact angles": (8, 2, module, "head", None),
         "4:1, over the token": (4, 1, module, "token", None),
     }
-    # The cases of one key head take pair tiles, and those of 2 query heads are few-head ones.
-    assert (L.NORM_PAIR_KEY_HEADS, L.NORM_PAIR_FEW_HEADS) == (1, 2)
+    # The cases of one key head take pair tiles (with exact angles up to 4 query heads), and
+    # those of 2 query heads are few-head ones.
+    assert (L.NORM_PAIR_KEY_HEADS, L.NORM_PAIR_FEW_HEADS, L.NORM_PAIR_EXACT_MAX_HEADS) == (1, 2, 4)
     torch.manual_seed(76)
     found, expected = {}, {}
     for name, (q_heads, k_heads, freqs, over, pair) in cases.items():

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """q and k with per-head norms where the key has one head, under launch-rule variants: the
-evidence for NORM_PAIR_KEY_HEADS and NORM_PAIR_FEW_HEADS in triton_rotary_launch.py.
+evidence for NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS and NORM_PAIR_EXACT_MAX_HEADS in
+triton_rotary_launch.py.
 
     python rope_qknorm_pair_tiles.py OUT        # on a GPU, from the repository root
 
@@ -34,11 +35,12 @@ G = L.GPU_RULE
 RULES = {
     "separate": G._replace(norm_pair_key_heads=0),          # q's and k's own tiles
     "pair": G,
+    "pair_exact_8_heads": G._replace(norm_pair_exact_max_heads=8),   # exact angles up to 8
     "pair_q_tile": G._replace(norm_pair_few_heads=0),       # q's own tile at every head count
     "pair_16k_positions": G._replace(norm_positions_tile_bytes=16384),
     "pair_8k_plain_4_warps": G._replace(tile_bytes=8192, norm_warps=4),
 }
-FORWARD_BACKWARD_RULES = ("separate", "pair")
+FORWARD_BACKWARD_RULES = ("separate", "pair", "pair_exact_8_heads")
 
 
 def point(model, hq, s, log):

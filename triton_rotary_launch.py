@@ -110,10 +110,15 @@ NORM_POSITIONS_MAX_HEADS = 16
 # against q's and k's own tiles: Qwen3-8B under TP 8 (4 query heads) at 16K tokens exact angles
 # 0.867-0.870 -> 0.836-0.841, TE's table 1.264-1.277 -> 1.028-1.031, at 64K 0.990-0.995 ->
 # 0.979-0.989 and 1.401-1.411 -> 1.166-1.172; Qwen3-32B under TP 8 (8 query heads) 0.981-0.990
-# -> 0.972-0.982 and 1.242-1.249 -> 1.090-1.094; forward + backward lower by about as much. Not
-# measured on the H200, nor for a one-head query (its own tile, NORM_ONE_HEAD_WARPS), which
-# keeps separate tiles. With Qwen3-8B's 8 key heads, pair tiles (an earlier kernel) were slower
-# on the H200: 1.17-1.20 against 1.02-1.06 (artifacts/qknorm/pair_tiles_ab_h200.log).
+# -> 0.972-0.982 and 1.242-1.249 -> 1.090-1.094; forward + backward lower by about as much. On
+# the H200 (two runs, artifacts/qknorm/one_head_key_pair_tiles_ab_h200.log) the same points
+# gained (run 1: exact 0.980 -> 0.950, 1.125 -> 1.102; table 1.449 -> 1.168, 1.539 -> 1.304;
+# 32B's table 1.323 -> 1.171), but 32B's 8 query heads with exact angles lost, 1.068-1.075 ->
+# 1.125-1.133: with angles from positions, a query of more than NORM_PAIR_EXACT_MAX_HEADS heads
+# keeps separate tiles. A one-head query keeps separate tiles (its own tile,
+# NORM_ONE_HEAD_WARPS); not measured. With Qwen3-8B's 8 key heads, pair tiles (an earlier
+# kernel) were slower on the H200: 1.17-1.20 against 1.02-1.06
+# (artifacts/qknorm/pair_tiles_ab_h200.log).
 # A query of 2 to NORM_PAIR_FEW_HEADS heads shares each angle among few heads, so its pair tile
 # works out more angles per byte it moves: with exact angles it normalizes after them
 # (Variant.NORM_AFTER_ANGLES: their arithmetic fills the wait for the loads), with a table it
@@ -122,9 +127,11 @@ NORM_POSITIONS_MAX_HEADS = 16
 # 1.262-1.266 (q's and k's own tiles: 1.043-1.046 and 1.777-1.827); Qwen3-8B under TP 16 (2 of
 # d 128, 64K) exact 0.971-0.974 -> 0.967-0.972, table 1.434-1.503 -> 1.258-1.269. At 4 query
 # heads both lost: after the angles 0.836 -> 0.878-0.884 (TP 8, 16K tokens), half the tile
-# 1.028-1.031 -> 1.075-1.084.
+# 1.028-1.031 -> 1.075-1.084. On the H200 (same log): Gemma 3 exact 1.274 -> 1.077, table
+# 1.890 -> 1.494; TP 16 exact 1.096 -> 1.084, table 1.812 -> 1.456.
 NORM_PAIR_KEY_HEADS = 1
 NORM_PAIR_FEW_HEADS = 2
+NORM_PAIR_EXACT_MAX_HEADS = 4
 # The backward takes tiles of NORM_BACKWARD_ROWS (token, head) rows (a norm over the whole
 # token: whole tokens), the fused QKV's query tiles too, in as many warps as give each thread
 # NORM_BACKWARD_THREAD_ELEMENTS elements of the tile, at most NORM_BACKWARD_MAX_WARPS, and
@@ -218,6 +225,7 @@ class LaunchRule(NamedTuple):
     qkv_norm_backward_max_registers: int    # 0: no cap
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
+    norm_pair_exact_max_heads: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
@@ -226,13 +234,14 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS,
-                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS)
+                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0,
-                              NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS)
+                              NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
+                              NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
 
 
@@ -1437,7 +1446,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     beside_plain_query = (not backward and q_heads > 1
                           and not _norm_positions_tile(launch_rule(), source, q_heads))
     k_plan = plan(k, k_norm, k_input, "k", beside_plain_query=beside_plain_query)
-    if _norm_pair_tiles(launch_rule(), backward, q_heads, k.shape[-2], q_norm, k_norm):
+    if _norm_pair_tiles(launch_rule(), backward, source, q_heads, k.shape[-2], q_norm, k_norm):
         pair = _make_plan(q, source, tensor_format, start_positions, cu_seqlens, cp_size,
                           cp_rank, interleaved, backward, None, positions, inverse, q_norm, None,
                           k)
@@ -1469,13 +1478,15 @@ def _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm):
                                   q_norm, k_norm)
 
 
-def _norm_pair_tiles(rule, backward, q_heads, k_heads, q_norm, k_norm):
+def _norm_pair_tiles(rule, backward, source, q_heads, k_heads, q_norm, k_norm):
     """Whether a q,k forward with norms takes pair tiles (rotary_qk_kernel's: a tile of query
     heads with the key heads of its tokens, their angles worked out once for both), planned as
-    q's own forward tile with the key heads joined: a query of several heads and at most
-    rule.norm_pair_key_heads key heads, under per-head norms (NORM_PAIR_KEY_HEADS says why)."""
+    q's own forward tile with the key heads joined: a query of several heads (with angles from
+    positions, at most rule.norm_pair_exact_max_heads) and at most rule.norm_pair_key_heads key
+    heads, under per-head norms (NORM_PAIR_KEY_HEADS says why)."""
     return (not backward and q_heads > 1 and k_heads <= rule.norm_pair_key_heads
-            and q_norm.over == k_norm.over == "head")
+            and q_norm.over == k_norm.over == "head"
+            and (not source.from_positions or q_heads <= rule.norm_pair_exact_max_heads))
 
 
 def _norm_after_angles(source, tile, norm, searches, few_head_pairs=False):
