@@ -399,7 +399,8 @@ class RopeCall(NamedTuple):
 # The tensors a call's backward reads besides the gradient go through ctx.save_for_backward, so
 # that modifying one in place before the backward raises PyTorch's in-place error, as it does
 # with TE, instead of giving the gradient of other angles or positions. ctx.call keeps the rest
-# (it holds the same tensors; the backward takes them from saved_tensors, which checks them).
+# (it holds the same tensors; a backward unpacks saved_tensors, which checks them, before it
+# launches).
 
 def _save_rope_call(ctx, call, *inputs):
     """Keep `call` for the backward; `inputs`, the other tensors it reads (a norm's input and
@@ -479,6 +480,12 @@ class RopeForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            # Eager, no graph to record: the forward's call transposed, straight to the launcher
+            # (a RopeCall built here costs CPU time on every step, twice as much on autograd's
+            # device thread). Unpacking saved_tensors raises if one was modified in place.
+            ctx.saved_tensors       # noqa: B018
+            return _rope_eager(grad_out, ctx.call, transpose=True), None
         call, _ = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return RopeForwardAndBackward.apply(grad_out, call), None
@@ -562,11 +569,12 @@ def _check_rope_call(t, call):
         check_norm(call.norm, t, shape.nheads, shape.head_dim)
 
 
-def _rope_eager(t, call):
-    """`call` on t, straight to the launcher."""
+def _rope_eager(t, call, transpose=False):
+    """`call` on t (with transpose=True, its rotation transposed), straight to the launcher."""
     return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                             call.transpose, None, call.positions, call.inverse, call.norm)
+                             call.transpose != transpose, None, call.positions, call.inverse,
+                             call.norm)
 
 
 def _rope_qk_eager(q, k, call):
@@ -936,15 +944,19 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     if not fused:
         return _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
                              cp_size, cp_rank, positions, inverse, norm)
+    if norm is None and not _needs_grad(t) and not torch.compiler.is_compiling():
+        # No graph to record: the arguments straight to the launcher, without a RopeCall or
+        # the autograd function (autograd.Function.apply costs about as much CPU time as the
+        # rest of a small call).
+        return set_rotary_kernel(t, freqs, tensor_format, start_positions, interleaved,
+                                 cu_seqlens, cp_size, cp_rank, False, None, positions, inverse)
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
                     cu_seqlens, cp_size, cp_rank, positions, inverse, False, norm)
     if norm is not None:
         if not (_needs_grad(t) or _needs_grad(norm_weight)):
             return _rope(t, call)
         return RopeNormForwardAndBackward.apply(t, norm_weight, call)
-    if not _needs_grad(t):
-        # No graph to record: straight to the launch (autograd.Function.apply costs about as
-        # much CPU time as the rest of a small call).
+    if not _needs_grad(t):          # under torch.compile: its custom op
         return _rope(t, call)
     return RopeForwardAndBackward.apply(t, call)
 

@@ -1,0 +1,69 @@
+"""CPU µs of our Python per call, on any CPU and no GPU: the calls of host_launch_layers.py
+under Triton's interpreter with every compiled-kernel launch replaced by a no-op, so what is
+timed is the entry point, the autograd wiring and the launcher up to Triton's C launcher
+([128, 1, 8, 64] bf16, TE's table and the module). Minimum of 25 rounds of 4000 calls. Give
+it the folder of the sources to time (two folders: an A/B, one process each).
+
+    python artifacts/host/host_python_cpu.py .
+"""
+import os
+import sys
+import timeit
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "."))
+import torch
+
+import triton_rotary_launch as L
+import triton_rotary_main as M
+
+t = torch.randn(128, 1, 8, 64, dtype=torch.bfloat16)
+module = M.RotaryPositionEmbedding(64)
+freqs = module(128)
+x, grad = t.detach().requires_grad_(True), torch.randn_like(t)
+torch.autograd.grad(M.apply_rotary_pos_emb(x, freqs), x, grad)      # plans every call below
+torch.autograd.grad(M.apply_rotary_pos_emb(x, module), x, grad)
+
+
+def no_launch(*args):
+    pass
+
+
+class EveryKeyLaunchesNothing(dict):
+    def get(self, key, default=None):
+        return no_launch
+
+
+for plan in L._PLANS.values():
+    if plan.launch is not None:
+        plan.launch.runners = EveryKeyLaunchesNothing()
+# The launches take the direct path (as on a GPU) while the plans stay the interpreter's.
+torch.cuda.current_device = lambda: 0
+L._interpreting = lambda: True
+L._INTERPRETING = False
+
+
+class AllocateOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return torch.empty_like(a)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.empty_like(g)
+
+
+rows = {
+    "empty_like": lambda: torch.empty_like(t),
+    "set_rotary_kernel": lambda: L.set_rotary_kernel(t, freqs),
+    "apply no grad": lambda: M.apply_rotary_pos_emb(t, freqs),
+    "apply no grad positions": lambda: M.apply_rotary_pos_emb(t, module),
+    "apply grad fwd": lambda: M.apply_rotary_pos_emb(x, freqs),
+    "allocate-only fwd": lambda: AllocateOnly.apply(x),
+    "rt allocate-only": lambda: torch.autograd.grad(AllocateOnly.apply(x), x, grad),
+    "rt ours": lambda: torch.autograd.grad(M.apply_rotary_pos_emb(x, freqs), x, grad),
+}
+plans = len(L._PLANS)
+times = {name: min(timeit.repeat(fn, number=4000, repeat=25)) / 4000 * 1e6 for name, fn in rows.items()}
+assert len(L._PLANS) == plans, "a timed call planned again"
+print("  ".join(f"{name}={us:.2f}" for name, us in times.items()))
