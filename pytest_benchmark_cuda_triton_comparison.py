@@ -3965,6 +3965,31 @@ def test_kernels_overview_counts_kernel_modes_only():
     assert report.kernels_overview(only_eager)["triton"] is None
 
 
+def test_models_summary_counts_host_bound_eager_steps_apart():
+    """The models summary counts kernel time (kernels alone, the CUDA-graph step) apart from
+    the eager steps, and flags an eager step as host-bound, not as below the target, where it
+    runs below HOST_BOUND_SHARE of its CUDA-graph twin's speed; an eager step near its twin's
+    speed but below the target keeps that flag."""
+    def rows(mode, point, ours_ms, copy_ms=1.0):
+        return [dict(sweep="models", x=point, dtype="bf16", mode=mode, provider="triton_positions",
+                     ms=ours_ms, copy_ms=copy_ms)]
+    results = (rows("forward_kernel", "a", 1.0 / 0.99) + rows("backward_kernel", "a", 1.0 / 0.95)
+               + rows(report.EAGER_STEP, "a", 1.0 / 0.30) + rows(report.GRAPHED_STEP, "a", 1.0 / 0.99)
+               + rows(report.EAGER_STEP, "b", 1.0 / 0.93) + rows(report.GRAPHED_STEP, "b", 1.0 / 0.96))
+    lines = report._models_summary(results)
+    summary = next(line for line in lines if line.startswith("- Triton (positions):"))
+    assert summary == ("- Triton (positions): kernel time: min 0.950 of copy over 4 point-modes, "
+                       "2 below 0.97. Eager forward+backward: 1 of 2 host-bound; of the others, "
+                       "1 below 0.97."), summary
+    flags = {line.split(" | ")[0].strip("| ") + " " + line.split(" | ")[2]: line.split(" | ")[-1]
+             for line in lines if line.startswith("| a |") or line.startswith("| b |")}
+    assert flags["a forward+backward"] == "triton_positions host-bound (CUDA graph: 0.990) |"
+    assert flags["b forward+backward"] == "triton_positions < 0.97 |"
+    assert flags["a backward_kernel"] == "triton_positions < 0.97 |"
+    assert flags["a forward_kernel"] == " |"
+    assert "- flagged point-modes: 2 of 4 of kernel time, 2 of 2 eager steps" in lines
+
+
 def _edited_copy(tmp_path, path, name, edit):
     """A copy of the file at `path` with `edit` (text -> text) applied."""
     with open(path) as f:
