@@ -1435,10 +1435,10 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
         if not isinstance(norm, RMSNorm):
             raise TypeError(f"{name} must be an RMSNorm or None, got {type(norm).__name__}")
 
-    def plan(x, norm, x_input, name, share=1.0, beside_plain_query=False):
+    def plan(x, norm, x_input, name, share=1.0, beside_plain_query=False, k=None):
         return _make_plan(x, source, tensor_format, start_positions, cu_seqlens, cp_size,
                           cp_rank, interleaved, backward, None, positions, inverse, norm,
-                          x_input, name=name, gpu_share=share,
+                          x_input, k, name=name, gpu_share=share,
                           beside_plain_query=beside_plain_query)
     q_plan = plan(q, q_norm, q_input, "q")       # checks the call, the source included
     # A query in the plain tile (neither one head nor the positions tile): the key takes it too.
@@ -1447,9 +1447,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
                           and not _norm_positions_tile(launch_rule(), source, q_heads))
     k_plan = plan(k, k_norm, k_input, "k", beside_plain_query=beside_plain_query)
     if _norm_pair_tiles(launch_rule(), backward, source, q_heads, k.shape[-2], q_norm, k_norm):
-        pair = _make_plan(q, source, tensor_format, start_positions, cu_seqlens, cp_size,
-                          cp_rank, interleaved, backward, None, positions, inverse, q_norm, None,
-                          k)
+        pair = plan(q, q_norm, None, "q", k=k)       # q's forward tile with k's heads joined
         return _QKNormPlan(pair.launch, q_plan, k_plan, pair.shape)
     if not _joins(q_plan.launch, k_plan.launch):
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
