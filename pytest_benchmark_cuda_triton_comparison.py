@@ -40,6 +40,7 @@ the benchmark in rope_bench.py and its report in rope_bench_report.py.
 """
 
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -3360,6 +3361,42 @@ def test_plan_cache_keeps_validation():
             triton_rotary_launch.set_rotary_qkv_kernel(qkv, freqs, freqs, [16, 8, 8], **kwargs)
         with pytest.raises(TypeError, match=match):
             apply_rotary_pos_emb(t, freqs, **kwargs)
+
+
+def test_eager_backward_launches_the_plan_kept_with_the_forwards(monkeypatch):
+    """An eager backward launches the transposed plan kept with its forward's plan: a repeated
+    round trip looks up one plan (the forward's), not two. A gradient of other strides, or a
+    backward under another launch rule, is planned again, and every gradient is right."""
+    L = triton_rotary_launch
+    lookups = []
+    cached_plan = L._cached_plan
+    monkeypatch.setattr(L, "_cached_plan", lambda key, make: lookups.append(key) or
+                        cached_plan(key, make))
+    torch.manual_seed(11)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    x = torch.randn(8, 2, 3, 24, device=DEVICE, requires_grad=True)
+    grad = torch.randn(8, 2, 3, 24, device=DEVICE)
+    strided_grad = torch.randn(24, 3, 2, 8, device=DEVICE).permute(3, 2, 1, 0)
+    small_tiles = L.launch_rule()._replace(tile_bytes=256, min_programs_per_sm=0)
+
+    def lookups_and_gradient(freqs, g, rule=None):
+        out = apply_rotary_pos_emb(x, freqs)
+        lookups.clear()
+        with contextlib.nullcontext() if rule is None else L.use_launch_rule(rule):
+            (found,) = torch.autograd.grad(out, x, g)
+        (expected,) = torch.autograd.grad(apply_rotary_pos_emb(x, freqs, fused=False), x, g)
+        torch.testing.assert_close(found, expected)
+        return len(lookups)
+
+    for freqs in (module, module(8)):
+        L._PLANS.clear()
+        assert lookups_and_gradient(freqs, grad) == 1          # planned: a lookup, a miss
+        assert lookups_and_gradient(freqs, grad) == 0          # kept
+        assert lookups_and_gradient(freqs, strided_grad) == 1  # other strides: planned
+        assert lookups_and_gradient(freqs, strided_grad) == 0
+        assert lookups_and_gradient(freqs, grad, small_tiles) == 1
+        assert lookups_and_gradient(freqs, grad) == 1          # the rule in force again
+        assert lookups_and_gradient(freqs, grad) == 0
 
 
 def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):

@@ -979,6 +979,11 @@ class _RopePlan(NamedTuple):
     weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
     positions_pass: object = None    # thd backward of a norm: sequence_positions_kernel's launch
     k_strides: tuple = ()        # q and k together (rotary_qk_kernel): k's, and its result's
+    # The plan of the same call transposed, kept by `set_rotary_kernel_transposed`: a list of
+    # one entry, None or (the gradient's strides, its dtype, the launch rule, the plan), read
+    # and replaced whole, so that threads sharing this plan never see half an entry (None: an
+    # empty call's plan, which keeps none).
+    transposed: list = None
 
 
 class _QKNormPlan(NamedTuple):
@@ -1216,7 +1221,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         weight_gradient=_weight_gradient_plan(token_blocks * head_programs, norm.weight.numel())
         if norm_backward else None,
         positions_pass=positions_pass,
-        k_strides=(k_strides, k_out_strides) if k is not None else ())
+        k_strides=(k_strides, k_out_strides) if k is not None else (),
+        transposed=[None])
 
 
 def check_qk_pair(q, k):
@@ -1259,7 +1265,8 @@ def _index_tensor(x):
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                       cu_seqlens=None, cp_size=1, cp_rank=0, backward=False, out=None,
-                      positions=None, inverse=False, norm=None, norm_input=None):
+                      positions=None, inverse=False, norm=None, norm_input=None,
+                      return_plan=False):
     """Check the arguments, allocate the output, set up the grid and launch `rotary_kernel`.
 
     `freqs` is a table tensor, a RotaryPositionEmbedding or an AngleSource. `t` may have any
@@ -1269,7 +1276,8 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     `inverse=True` rotates by the negated angles (its backward: `backward=True` with it).
     `norm` (an RMSNorm) normalizes t before the rotation (in place: every channel is
     written); its backward needs `norm_input`, the forward's t, and returns (the gradient of
-    the input, the gradient of norm.weight).
+    the input, the gradient of norm.weight). `return_plan=True` returns (the result, the launch
+    plan), the plan for `set_rotary_kernel_transposed`.
     """
     if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
         if out is t:
@@ -1312,17 +1320,55 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
             positions, start_positions, cu_seqlens = _pre_pass_positions(
                 plan.positions_pass, plan.tokens, start_positions, cu_seqlens, t.device)
     if plan.launch is not None:
-        # The kernel's groups as plain tuples, field by field (`_Launch` says why).
-        plan.launch(
-            (t, plan.x_strides),                                                # x: View
-            (out, plan.out_strides),                                            # out: View
-            _angles(source, plan.table),                                        # Angles
-            (positions, plan.position_strides, start_positions, cu_seqlens),    # Positions
-            plan.shape,                                                         # HeadShape
-            norm_group,                                                         # Norm or None
-            *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
+        _launch_rope(plan, t, out, source, positions, start_positions, cu_seqlens, norm_group)
     if norm is not None and backward:
-        return out, _weight_gradient(plan.weight_gradient, partial, norm)
+        out = out, _weight_gradient(plan.weight_gradient, partial, norm)
+    return (out, plan) if return_plan else out
+
+
+def _launch_rope(plan, t, out, source, positions, start_positions, cu_seqlens, norm_group):
+    """Launch `plan` (a _RopePlan of rotary_kernel) on t into out."""
+    # The kernel's groups as plain tuples, field by field (`_Launch` says why).
+    plan.launch(
+        (t, plan.x_strides),                                                # x: View
+        (out, plan.out_strides),                                            # out: View
+        _angles(source, plan.table),                                        # Angles
+        (positions, plan.position_strides, start_positions, cu_seqlens),    # Positions
+        plan.shape,                                                         # HeadShape
+        norm_group,                                                         # Norm or None
+        *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
+
+
+def set_rotary_kernel_transposed(grad, plan, source, tensor_format="sbhd", start_positions=None,
+                                 interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0,
+                                 backward=True, positions=None, inverse=False):
+    """`set_rotary_kernel(grad, source, ..., backward)` (no norm, no `out`), where `plan` is the
+    plan `set_rotary_kernel(..., return_plan=True)` returned for the same call with the
+    rotation transposed (`backward` the other way): an autograd backward's launch. The
+    transposed plan is kept with `plan`, for the last gradient strides, dtype and launch rule
+    seen, so that a backward skips the plan's key, whose metadata of every tensor costs CPU
+    time on every step (and twice as much on autograd's device thread, where backwards run).
+    `source` is the AngleSource the forward was called with."""
+    if grad.is_neg():
+        grad = grad.resolve_neg()        # the kernel reads raw memory: apply the sign first
+    kept, rule = plan.transposed, _launch_rule()
+    entry = kept[0] if kept is not None else None
+    if entry is not None and entry[0] == grad.stride() and entry[1] is grad.dtype and (
+            entry[2] == rule):
+        transposed = entry[3]
+        if start_positions is not None or cu_seqlens is not None or positions is not None:
+            start_positions, cu_seqlens, positions = map(_index_tensor,
+                                                          (start_positions, cu_seqlens, positions))
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        if transposed.launch is not None:
+            _launch_rope(transposed, grad, out, source, positions, start_positions, cu_seqlens,
+                         None)
+        return out
+    out, transposed = set_rotary_kernel(grad, source, tensor_format, start_positions,
+                                        interleaved, cu_seqlens, cp_size, cp_rank, backward,
+                                        positions=positions, inverse=inverse, return_plan=True)
+    if kept is not None:
+        kept[0] = (grad.stride(), grad.dtype, rule, transposed)
     return out
 
 

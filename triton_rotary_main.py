@@ -30,6 +30,7 @@ from triton_rotary_launch import (
     check_rope_args,
     qkv_outputs,
     set_rotary_kernel,
+    set_rotary_kernel_transposed,
     set_rotary_qk_kernel,
     set_rotary_qkv_kernel,
 )
@@ -476,16 +477,25 @@ class RopeForwardAndBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, call):
         _save_rope_call(ctx, call)
-        return _rope(t, call)
+        if torch.compiler.is_compiling():
+            return _rope(t, call)
+        out, ctx.plan = _rope_eager(t, call, return_plan=True)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
-            # Eager, no graph to record: the forward's call transposed, straight to the launcher
-            # (a RopeCall built here costs CPU time on every step, twice as much on autograd's
-            # device thread). Unpacking saved_tensors raises if one was modified in place.
+        plan = getattr(ctx, "plan", None)     # set by an eager forward
+        if plan is not None and not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            # Eager, no graph to record: the forward's plan transposed, straight to the launcher
+            # (a RopeCall or a plan's key worked out here costs CPU time on every step, twice
+            # as much on autograd's device thread). Unpacking saved_tensors raises if one was
+            # modified in place.
             ctx.saved_tensors       # noqa: B018
-            return _rope_eager(grad_out, ctx.call, transpose=True), None
+            call = ctx.call
+            return set_rotary_kernel_transposed(
+                grad_out, plan, call.source, call.tensor_format, call.start_positions,
+                call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
+                not call.transpose, call.positions, call.inverse), None
         call, _ = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return RopeForwardAndBackward.apply(grad_out, call), None
@@ -569,12 +579,12 @@ def _check_rope_call(t, call):
         check_norm(call.norm, t, shape.nheads, shape.head_dim)
 
 
-def _rope_eager(t, call, transpose=False):
-    """`call` on t (with transpose=True, its rotation transposed), straight to the launcher."""
+def _rope_eager(t, call, return_plan=False):
+    """`call` on t, straight to the launcher (with return_plan=True: (result, launch plan))."""
     return set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                             call.transpose != transpose, None, call.positions, call.inverse,
-                             call.norm)
+                             call.transpose, None, call.positions, call.inverse, call.norm,
+                             return_plan=return_plan)
 
 
 def _rope_qk_eager(q, k, call):
