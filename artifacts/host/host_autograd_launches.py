@@ -9,12 +9,12 @@ again with sys.setswitchinterval(1e-6).
 import os
 import sys
 import threading
-import time
 
 sys.path.insert(0, os.getcwd())
 import torch
 import triton
 import triton.language as tl
+from host_timing import function_of, time_rows
 
 from triton_rotary_launch import set_rotary_kernel
 from triton_rotary_main import RotaryPositionEmbedding, apply_rotary_pos_emb
@@ -28,15 +28,6 @@ def _copy(x, y, n, B: tl.constexpr):
     o = tl.program_id(0) * B + tl.arange(0, B)
     tl.store(y + o, tl.load(x + o, mask=o < n), mask=o < n)
 
-def fn_class(fwd, bwd):
-    class F(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return fwd(x)
-        @staticmethod
-        def backward(ctx, g):
-            return bwd(g)
-    return F
 def empty(a):
     return torch.empty_like(a)
 
@@ -57,7 +48,7 @@ def jit_copy(a):
     o = torch.empty_like(a)
     _copy[(1,)](a, o, a.numel(), B=1024)
     return o
-F = {n: fn_class(f, b) for n, (f, b) in dict(
+F = {n: function_of(f, b) for n, (f, b) in dict(
     Empty=(empty, empty), FwdRope=(rope_f, empty), BwdRope=(empty, rope_b), BothRope=(rope_f, rope_b),
     FwdTorchCopy=(torch_copy, empty), FwdJitCopy=(jit_copy, empty)).items()}
 rows = {f"rt {n}": (lambda C=C: torch.autograd.grad(C.apply(x), x, grad)) for n, C in F.items()}
@@ -67,13 +58,6 @@ rows["FwdRope.apply only"] = lambda: F["FwdRope"].apply(x)
 rows["torch_copy"] = lambda: torch_copy(t)
 rows["jit_copy"] = lambda: jit_copy(t)
 
-def once(fn, calls):
-    s = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    e = time.perf_counter() - s
-    torch.cuda.synchronize()
-    return e / calls * 1e6
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
 rows["rt ours"]()
 print("threads:", [th.name for th in threading.enumerate()], flush=True)
@@ -81,12 +65,4 @@ for interval in (None, 1e-6):
     if interval:
         sys.setswitchinterval(interval)
     print("switch interval", sys.getswitchinterval(), flush=True)
-    best = {}
-    for name, fn in rows.items():
-        once(fn, 200)
-    for r in range(7):
-        for name, fn in rows.items():
-            best.setdefault(name, []).append(once(fn, 1000))
-    for name, vs in best.items():
-        vs.sort()
-        print(f"  {name:<34} min {vs[0]:6.1f}  median {vs[len(vs)//2]:6.1f} us", flush=True)
+    time_rows(rows)

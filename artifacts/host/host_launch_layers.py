@@ -7,11 +7,11 @@ autograd.Function. Rows interleaved over 7 rounds of 1500 calls; min and median.
 """
 import os
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 import torch
 import triton
+from host_timing import AllocateOnly, time_rows
 from triton.runtime import driver
 
 import triton_rotary_launch as L
@@ -45,14 +45,6 @@ inner = getattr(run, "launch", None)
 print("runner direct:", getattr(runner, "direct", None), "inner launch:", inner, flush=True)
 print("args:", len(full), "plain_cfg:", launch.plain_cfg, flush=True)
 
-class Empty(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return torch.empty_like(x)
-    @staticmethod
-    def backward(ctx, g):
-        return torch.empty_like(g)
-
 rows = {
   "empty_like": lambda: torch.empty_like(t),
   "current_device": lambda: torch.cuda.current_device(),
@@ -63,31 +55,11 @@ rows = {
   "set_rotary_kernel": lambda: set_rotary_kernel(t, freqs),
   "apply no grad": lambda: apply_rotary_pos_emb(t, freqs),
   "apply grad fwd only": lambda: apply_rotary_pos_emb(x, freqs),
-  "Empty fwd only": lambda: Empty.apply(x),
-  "rt Empty": lambda: torch.autograd.grad(Empty.apply(x), x, grad),
+  "Empty fwd only": lambda: AllocateOnly.apply(x),
+  "rt Empty": lambda: torch.autograd.grad(AllocateOnly.apply(x), x, grad),
   "rt ours": lambda: torch.autograd.grad(apply_rotary_pos_emb(x, freqs), x, grad),
   "rt ours positions": lambda: torch.autograd.grad(apply_rotary_pos_emb(x, mod), x, grad),
 }
 
-def once(fn, calls):
-    s = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    e = time.perf_counter() - s
-    torch.cuda.synchronize()
-    return e / calls * 1e6
-
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-best = {}
-for name, fn in rows.items():
-    if fn is not None:
-        once(fn, 300)
-for r in range(7):
-    for name, fn in rows.items():
-        if fn is None:
-            continue
-        v = once(fn, 1500)
-        best.setdefault(name, []).append(v)
-for name, vs in best.items():
-    vs.sort()
-    print(f"{name:<32} min {vs[0]:6.1f}  median {vs[len(vs)//2]:6.1f} us", flush=True)
+time_rows(rows, calls=1500, warm_up_calls=300, indent="")

@@ -8,10 +8,10 @@ that launches nothing. Rows interleaved over 7 rounds of 1000 calls; min and med
 """
 import os
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 import torch
+from host_timing import time_rows
 from triton.runtime import driver
 
 import triton_rotary_launch as L
@@ -80,22 +80,5 @@ rows = {"C launcher, tensors": forward_tensors, "C launcher, ints": forward_ints
         "rt ints, backward": round_trip(nothing, backward_ints)}
 
 
-def once(fn, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-times = {}
-for fn in rows.values():
-    once(fn, 200)
-for _ in range(7):
-    for name, fn in rows.items():
-        times.setdefault(name, []).append(once(fn, 1000))
-for name, values in times.items():
-    values.sort()
-    print(f"  {name:<28} min {values[0]:6.1f}  median {values[len(values) // 2]:6.1f} us", flush=True)
+time_rows(rows)

@@ -13,6 +13,7 @@ import timeit
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "."))
 import torch
+from host_timing import AllocateOnly
 
 import triton_rotary_launch as L
 import triton_rotary_main as M
@@ -41,16 +42,6 @@ for plan in L._PLANS.values():
 torch.cuda.current_device = lambda: 0
 L._interpreting = lambda: True
 L._INTERPRETING = False
-
-
-class AllocateOnly(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a):
-        return torch.empty_like(a)
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.empty_like(g)
 
 
 rows = {
