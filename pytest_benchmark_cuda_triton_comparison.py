@@ -3365,8 +3365,9 @@ def test_plan_cache_keeps_validation():
 
 def test_eager_backward_launches_the_plan_kept_with_the_forwards(monkeypatch):
     """An eager backward launches the transposed plan kept with its forward's plan: a repeated
-    round trip looks up one plan (the forward's), not two. A gradient of other strides, or a
-    backward under another launch rule, is planned again, and every gradient is right."""
+    round trip looks up one plan (the forward's), not two, for t alone and for q and k in one
+    launch. A gradient of other strides, or a backward under another launch rule, is planned
+    again, and every gradient is right."""
     L = triton_rotary_launch
     lookups = []
     cached_plan = L._cached_plan
@@ -3375,28 +3376,36 @@ def test_eager_backward_launches_the_plan_kept_with_the_forwards(monkeypatch):
     torch.manual_seed(11)
     module = RotaryPositionEmbedding(16, device=DEVICE)
     x = torch.randn(8, 2, 3, 24, device=DEVICE, requires_grad=True)
+    k = torch.randn(8, 2, 1, 24, device=DEVICE, requires_grad=True)
     grad = torch.randn(8, 2, 3, 24, device=DEVICE)
     strided_grad = torch.randn(24, 3, 2, 8, device=DEVICE).permute(3, 2, 1, 0)
     small_tiles = L.launch_rule()._replace(tile_bytes=256, min_programs_per_sm=0)
+    calls = {"t": lambda freqs, fused=True: (apply_rotary_pos_emb(x, freqs, fused=fused),),
+             "q and k": lambda freqs, fused=True: apply_rotary_pos_emb_qk(x, k, freqs,
+                                                                          fused=fused)}
 
-    def lookups_and_gradient(freqs, g, rule=None):
-        out = apply_rotary_pos_emb(x, freqs)
+    def lookups_and_gradient(call, freqs, g, rule=None):
+        outs = call(freqs)
+        grads = (g, torch.ones_like(k))[:len(outs)]
         lookups.clear()
         with contextlib.nullcontext() if rule is None else L.use_launch_rule(rule):
-            (found,) = torch.autograd.grad(out, x, g)
-        (expected,) = torch.autograd.grad(apply_rotary_pos_emb(x, freqs, fused=False), x, g)
-        torch.testing.assert_close(found, expected)
+            found = torch.autograd.grad(outs, (x, k)[:len(outs)], grads)
+        expected = torch.autograd.grad(call(freqs, fused=False), (x, k)[:len(outs)], grads)
+        for a, b in zip(found, expected):
+            torch.testing.assert_close(a, b)
         return len(lookups)
 
-    for freqs in (module, module(8)):
-        L._PLANS.clear()
-        assert lookups_and_gradient(freqs, grad) == 1          # planned: a lookup, a miss
-        assert lookups_and_gradient(freqs, grad) == 0          # kept
-        assert lookups_and_gradient(freqs, strided_grad) == 1  # other strides: planned
-        assert lookups_and_gradient(freqs, strided_grad) == 0
-        assert lookups_and_gradient(freqs, grad, small_tiles) == 1
-        assert lookups_and_gradient(freqs, grad) == 1          # the rule in force again
-        assert lookups_and_gradient(freqs, grad) == 0
+    for name, call in calls.items():
+        for freqs in (module, module(8)):
+            L._PLANS.clear()
+            counts = [lookups_and_gradient(call, freqs, grad),      # planned: a lookup, a miss
+                      lookups_and_gradient(call, freqs, grad),      # kept
+                      lookups_and_gradient(call, freqs, strided_grad),
+                      lookups_and_gradient(call, freqs, strided_grad),
+                      lookups_and_gradient(call, freqs, grad, small_tiles),
+                      lookups_and_gradient(call, freqs, grad),      # the rule in force again
+                      lookups_and_gradient(call, freqs, grad)]
+            assert counts == [1, 0, 1, 0, 1, 1, 0], (name, counts)
 
 
 def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):

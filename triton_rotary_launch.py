@@ -979,10 +979,8 @@ class _RopePlan(NamedTuple):
     weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
     positions_pass: object = None    # thd backward of a norm: sequence_positions_kernel's launch
     k_strides: tuple = ()        # q and k together (rotary_qk_kernel): k's, and its result's
-    # The plan of the same call transposed, kept by `set_rotary_kernel_transposed`: a list of
-    # one entry, None or (the gradient's strides, its dtype, the launch rule, the plan), read
-    # and replaced whole, so that threads sharing this plan never see half an entry (None: an
-    # empty call's plan, which keeps none).
+    # The plan of the same call transposed (`_keep_transposed`): a list of one entry, None or
+    # (the gradients' layout, the launch rule, the plan); None: an empty call's plan keeps none.
     transposed: list = None
 
 
@@ -1339,6 +1337,24 @@ def _launch_rope(plan, t, out, source, positions, start_positions, cu_seqlens, n
         *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
 
 
+def _kept_transposed(plan, layout):
+    """(the transposed plan kept with `plan` for gradients of `layout` under the launch rule in
+    force, or None; that rule): the lookup of `set_rotary_kernel_transposed` and
+    `set_rotary_qk_kernel_transposed`."""
+    rule = _launch_rule()
+    entry = plan.transposed[0] if plan.transposed is not None else None
+    if entry is not None and entry[0] == layout and entry[1] == rule:
+        return entry[2], rule
+    return None, rule
+
+
+def _keep_transposed(plan, layout, rule, transposed):
+    """Keep `transposed` with `plan` for gradients of `layout` under `rule`, in place of what
+    was kept (one entry, replaced whole: threads sharing `plan` never see half of one)."""
+    if plan.transposed is not None:
+        plan.transposed[0] = (layout, rule, transposed)
+
+
 def set_rotary_kernel_transposed(grad, plan, source, tensor_format="sbhd", start_positions=None,
                                  interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0,
                                  backward=True, positions=None, inverse=False):
@@ -1351,38 +1367,37 @@ def set_rotary_kernel_transposed(grad, plan, source, tensor_format="sbhd", start
     `source` is the AngleSource the forward was called with."""
     if grad.is_neg():
         grad = grad.resolve_neg()        # the kernel reads raw memory: apply the sign first
-    kept, rule = plan.transposed, _launch_rule()
-    entry = kept[0] if kept is not None else None
-    if entry is not None and entry[0] == grad.stride() and entry[1] is grad.dtype and (
-            entry[2] == rule):
-        transposed = entry[3]
-        if start_positions is not None or cu_seqlens is not None or positions is not None:
-            start_positions, cu_seqlens, positions = map(_index_tensor,
-                                                          (start_positions, cu_seqlens, positions))
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        if transposed.launch is not None:
-            _launch_rope(transposed, grad, out, source, positions, start_positions, cu_seqlens,
-                         None)
+    layout = (grad.stride(), grad.dtype)
+    transposed, rule = _kept_transposed(plan, layout)
+    if transposed is None:
+        out, transposed = set_rotary_kernel(grad, source, tensor_format, start_positions,
+                                            interleaved, cu_seqlens, cp_size, cp_rank, backward,
+                                            positions=positions, inverse=inverse,
+                                            return_plan=True)
+        _keep_transposed(plan, layout, rule, transposed)
         return out
-    out, transposed = set_rotary_kernel(grad, source, tensor_format, start_positions,
-                                        interleaved, cu_seqlens, cp_size, cp_rank, backward,
-                                        positions=positions, inverse=inverse, return_plan=True)
-    if kept is not None:
-        kept[0] = (grad.stride(), grad.dtype, rule, transposed)
+    # A kept plan is of a call with elements: the forward's, whose gradient has its shape.
+    if start_positions is not None or cu_seqlens is not None or positions is not None:
+        start_positions, cu_seqlens, positions = map(_index_tensor,
+                                                      (start_positions, cu_seqlens, positions))
+    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    _launch_rope(transposed, grad, out, source, positions, start_positions, cu_seqlens, None)
     return out
 
 
 def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None,
                          interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0, backward=False,
                          positions=None, inverse=False, q_norm=None, k_norm=None, q_input=None,
-                         k_input=None):
+                         k_input=None, return_plan=False):
     """`set_rotary_kernel` of q and of k by the same angles, in one launch of
     `rotary_qk_kernel`: q and k of the same tokens and head dim, any head counts, any strides.
     Returns (q's result, k's), contiguous. q_norm and k_norm (RMSNorms, both or neither)
     normalize q and k before the rotation, in one launch of pair tiles (`_norm_pair_tiles`)
     or of q's and k's own tiles where those allow it (`_joins`), else in two; their backward
     reads the forward's q and k (q_input, k_input) and returns (dq, dk, the gradient of
-    q_norm.weight, that of k_norm.weight)."""
+    q_norm.weight, that of k_norm.weight). Without norms, `return_plan=True` returns ((q's
+    result, k's), the launch plan), the plan for `set_rotary_qk_kernel_transposed` (None for
+    a call without elements)."""
     check_norm_pair(q_norm, k_norm)
     norm_backward = q_norm is not None and backward
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and (
@@ -1396,7 +1411,7 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         if norm_backward:                      # (dq, dwq), (dk, dwk) -> dq, dk, dwq, dwk
             (dq, dwq), (dk, dwk) = results
             return dq, dk, dwq, dwk
-        return tuple(results)
+        return (tuple(results), None) if return_plan else tuple(results)
     q, k, q_input, k_input = (x.resolve_neg() if isinstance(x, torch.Tensor) else x
                               for x in (q, k, q_input, k_input))
     source = _as_source(freqs, "freqs")
@@ -1411,18 +1426,8 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         plan = _cached_plan(_metadata_key(tensors, values), lambda: _make_plan(
             q, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, interleaved,
             backward, None, positions, inverse, None, None, k))
-        q_out, k_out = _contiguous_outputs(q, k)
-        k_strides, k_out_strides = plan.k_strides
-        # The kernel's groups as plain tuples, field by field (`_Launch` says why).
-        plan.launch(
-            ((q, plan.x_strides), (q_out, plan.out_strides)),                   # q: InOut
-            ((k, k_strides), (k_out, k_out_strides)),                           # k: InOut
-            _angles(source, plan.table),                                        # Angles
-            (positions, plan.position_strides, start_positions, cu_seqlens),    # Positions
-            plan.shape,                                                         # QKShape
-            None, None,                                                         # no norms
-            *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
-        return q_out, k_out
+        outs = _launch_rope_qk(plan, q, k, source, positions, start_positions, cu_seqlens)
+        return (outs, plan) if return_plan else outs
     if backward:
         tensors += (q_input, k_input)
     values += (*_norm_key(q_norm), *_norm_key(k_norm))
@@ -1459,6 +1464,48 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         return (q_out, k_out,
                 *_pair_weight_gradients(plan.weight_gradients, partials, q_norm, k_norm))
     return q_out, k_out
+
+
+def _launch_rope_qk(plan, q, k, source, positions, start_positions, cu_seqlens):
+    """Launch `plan` (a _RopePlan of rotary_qk_kernel without norms) on q and k; returns their
+    results, contiguous."""
+    q_out, k_out = _contiguous_outputs(q, k)
+    k_strides, k_out_strides = plan.k_strides
+    # The kernel's groups as plain tuples, field by field (`_Launch` says why).
+    plan.launch(
+        ((q, plan.x_strides), (q_out, plan.out_strides)),                   # q: InOut
+        ((k, k_strides), (k_out, k_out_strides)),                           # k: InOut
+        _angles(source, plan.table),                                        # Angles
+        (positions, plan.position_strides, start_positions, cu_seqlens),    # Positions
+        plan.shape,                                                         # QKShape
+        None, None,                                                         # no norms
+        *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
+    return q_out, k_out
+
+
+def set_rotary_qk_kernel_transposed(grad_q, grad_k, plan, source, tensor_format="sbhd",
+                                    start_positions=None, interleaved=False, cu_seqlens=None,
+                                    cp_size=1, cp_rank=0, backward=True, positions=None,
+                                    inverse=False):
+    """`set_rotary_kernel_transposed` of `set_rotary_qk_kernel` without norms: its call on
+    grad_q and grad_k, where `plan` is what `set_rotary_qk_kernel(..., return_plan=True)`
+    returned for the call with the rotation transposed."""
+    grad_q, grad_k = (g.resolve_neg() if g.is_neg() else g for g in (grad_q, grad_k))
+    layout = (grad_q.stride(), grad_k.stride(), grad_q.dtype)
+    transposed, rule = _kept_transposed(plan, layout)
+    if transposed is None:
+        outs, transposed = set_rotary_qk_kernel(grad_q, grad_k, source, tensor_format,
+                                                start_positions, interleaved, cu_seqlens, cp_size,
+                                                cp_rank, backward, positions, inverse,
+                                                return_plan=True)
+        _keep_transposed(plan, layout, rule, transposed)
+        return outs
+    # A kept plan is of a call with elements: the forward's, whose gradients have its shapes.
+    if start_positions is not None or cu_seqlens is not None or positions is not None:
+        start_positions, cu_seqlens, positions = map(_index_tensor,
+                                                      (start_positions, cu_seqlens, positions))
+    return _launch_rope_qk(transposed, grad_q, grad_k, source, positions, start_positions,
+                           cu_seqlens)
 
 
 def _contiguous_outputs(q, k):

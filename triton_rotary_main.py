@@ -32,6 +32,7 @@ from triton_rotary_launch import (
     set_rotary_kernel,
     set_rotary_kernel_transposed,
     set_rotary_qk_kernel,
+    set_rotary_qk_kernel_transposed,
     set_rotary_qkv_kernel,
 )
 
@@ -510,10 +511,22 @@ class QKRopeForwardAndBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, call):
         _save_rope_call(ctx, call)
-        return _rope_qk(q, k, call)
+        if torch.compiler.is_compiling():
+            return _rope_qk(q, k, call)
+        outs, ctx.plan = _rope_qk_eager(q, k, call, return_plan=True)
+        return outs
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
+        plan = getattr(ctx, "plan", None)     # set by an eager forward (None: no elements)
+        if plan is not None and not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            # As RopeForwardAndBackward's eager backward: the forward's plan transposed.
+            ctx.saved_tensors       # noqa: B018
+            call = ctx.call
+            return (*set_rotary_qk_kernel_transposed(
+                grad_q, grad_k, plan, call.source, call.tensor_format, call.start_positions,
+                call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
+                not call.transpose, call.positions, call.inverse), None)
         call, _ = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return (*QKRopeForwardAndBackward.apply(grad_q, grad_k, call), None)
@@ -587,11 +600,13 @@ def _rope_eager(t, call, return_plan=False):
                              return_plan=return_plan)
 
 
-def _rope_qk_eager(q, k, call):
-    """`call` on q and k (it holds no norm), straight to the launcher."""
+def _rope_qk_eager(q, k, call, return_plan=False):
+    """`call` on q and k (it holds no norm), straight to the launcher (with return_plan=True:
+    (results, launch plan))."""
     return set_rotary_qk_kernel(q, k, call.source, call.tensor_format, call.start_positions,
                                 call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                                call.transpose, call.positions, call.inverse)
+                                call.transpose, call.positions, call.inverse,
+                                return_plan=return_plan)
 
 
 def _rope_qk_norm_eager(q, k, k_weight, call):

@@ -1,8 +1,9 @@
 """CPU µs of our Python per call, on any CPU and no GPU: the calls of host_launch_layers.py
 under Triton's interpreter with every compiled-kernel launch replaced by a no-op, so what is
 timed is the entry point, the autograd wiring and the launcher up to Triton's C launcher
-([128, 1, 8, 64] bf16, TE's table and the module). Minimum of 25 rounds of 4000 calls. Give
-it the folder of the sources to time (two folders: an A/B, one process each).
+([128, 1, 8, 64] bf16, TE's table and the module; q and k: that and a k of 2 heads). Minimum
+of 25 rounds of 4000 calls. Give it the folder of the sources to time (two folders: an A/B,
+one process each).
 
     python artifacts/host/host_python_cpu.py .
 """
@@ -24,6 +25,9 @@ freqs = module(128)
 x, grad = t.detach().requires_grad_(True), torch.randn_like(t)
 torch.autograd.grad(M.apply_rotary_pos_emb(x, freqs), x, grad)      # plans every call below
 torch.autograd.grad(M.apply_rotary_pos_emb(x, module), x, grad)
+k = torch.randn(128, 1, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+grad_k = torch.randn_like(k)
+torch.autograd.grad(M.apply_rotary_pos_emb_qk(x, k, freqs), (x, k), (grad, grad_k))
 
 
 def no_launch(*args):
@@ -53,6 +57,8 @@ rows = {
     "allocate-only fwd": lambda: AllocateOnly.apply(x),
     "rt allocate-only": lambda: torch.autograd.grad(AllocateOnly.apply(x), x, grad),
     "rt ours": lambda: torch.autograd.grad(M.apply_rotary_pos_emb(x, freqs), x, grad),
+    "rt ours q and k": lambda: torch.autograd.grad(M.apply_rotary_pos_emb_qk(x, k, freqs), (x, k),
+                                                   (grad, grad_k)),
 }
 plans = len(L._PLANS)
 times = {name: min(timeit.repeat(fn, number=4000, repeat=25)) / 4000 * 1e6 for name, fn in rows.items()}
