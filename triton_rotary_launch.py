@@ -979,7 +979,7 @@ class _RopePlan(NamedTuple):
     weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
     positions_pass: object = None    # thd backward of a norm: sequence_positions_kernel's launch
     k_strides: tuple = ()        # q and k together (rotary_qk_kernel): k's, and its result's
-    # The plan of the same call transposed (`_keep_transposed`): a list of one entry, None or
+    # The plan of the same call transposed (`_launch_transposed`): a list of one entry, None or
     # (the gradients' layout, the launch rule, the plan); None: an empty call's plan keeps none.
     transposed: list = None
 
@@ -1337,22 +1337,25 @@ def _launch_rope(plan, t, out, source, positions, start_positions, cu_seqlens, n
         *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
 
 
-def _kept_transposed(plan, layout):
-    """(the transposed plan kept with `plan` for gradients of `layout` under the launch rule in
-    force, or None; that rule): the lookup of `set_rotary_kernel_transposed` and
-    `set_rotary_qk_kernel_transposed`."""
+def _launch_transposed(plan, layout, launch, plan_and_launch, start_positions, cu_seqlens,
+                       positions):
+    """What set_rotary_kernel_transposed and set_rotary_qk_kernel_transposed share: the plan
+    kept with `plan` for gradients of `layout` (strides and dtype) under the launch rule in
+    force, launched by `launch(kept plan, start_positions, cu_seqlens, positions)`; where none
+    is kept, `plan_and_launch()` -> (result, its plan), whose plan is kept in place of what
+    was (one entry, replaced whole: threads sharing `plan` never see half of one)."""
     rule = _launch_rule()
     entry = plan.transposed[0] if plan.transposed is not None else None
-    if entry is not None and entry[0] == layout and entry[1] == rule:
-        return entry[2], rule
-    return None, rule
-
-
-def _keep_transposed(plan, layout, rule, transposed):
-    """Keep `transposed` with `plan` for gradients of `layout` under `rule`, in place of what
-    was kept (one entry, replaced whole: threads sharing `plan` never see half of one)."""
-    if plan.transposed is not None:
-        plan.transposed[0] = (layout, rule, transposed)
+    if entry is None or entry[0] != layout or entry[1] != rule:
+        result, transposed = plan_and_launch()
+        if plan.transposed is not None:
+            plan.transposed[0] = (layout, rule, transposed)
+        return result
+    # A kept plan is of a call with elements: the forward's, whose gradients have its shapes.
+    if start_positions is not None or cu_seqlens is not None or positions is not None:
+        start_positions, cu_seqlens, positions = map(_index_tensor,
+                                                      (start_positions, cu_seqlens, positions))
+    return launch(entry[2], start_positions, cu_seqlens, positions)
 
 
 def set_rotary_kernel_transposed(grad, plan, source, tensor_format="sbhd", start_positions=None,
@@ -1367,22 +1370,17 @@ def set_rotary_kernel_transposed(grad, plan, source, tensor_format="sbhd", start
     `source` is the AngleSource the forward was called with."""
     if grad.is_neg():
         grad = grad.resolve_neg()        # the kernel reads raw memory: apply the sign first
-    layout = (grad.stride(), grad.dtype)
-    transposed, rule = _kept_transposed(plan, layout)
-    if transposed is None:
-        out, transposed = set_rotary_kernel(grad, source, tensor_format, start_positions,
-                                            interleaved, cu_seqlens, cp_size, cp_rank, backward,
-                                            positions=positions, inverse=inverse,
-                                            return_plan=True)
-        _keep_transposed(plan, layout, rule, transposed)
+
+    def launch(transposed, start_positions, cu_seqlens, positions):
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        _launch_rope(transposed, grad, out, source, positions, start_positions, cu_seqlens, None)
         return out
-    # A kept plan is of a call with elements: the forward's, whose gradient has its shape.
-    if start_positions is not None or cu_seqlens is not None or positions is not None:
-        start_positions, cu_seqlens, positions = map(_index_tensor,
-                                                      (start_positions, cu_seqlens, positions))
-    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-    _launch_rope(transposed, grad, out, source, positions, start_positions, cu_seqlens, None)
-    return out
+    return _launch_transposed(
+        plan, (grad.stride(), grad.dtype), launch,
+        lambda: set_rotary_kernel(grad, source, tensor_format, start_positions, interleaved,
+                                  cu_seqlens, cp_size, cp_rank, backward, positions=positions,
+                                  inverse=inverse, return_plan=True),
+        start_positions, cu_seqlens, positions)
 
 
 def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None,
@@ -1491,21 +1489,14 @@ def set_rotary_qk_kernel_transposed(grad_q, grad_k, plan, source, tensor_format=
     grad_q and grad_k, where `plan` is what `set_rotary_qk_kernel(..., return_plan=True)`
     returned for the call with the rotation transposed."""
     grad_q, grad_k = (g.resolve_neg() if g.is_neg() else g for g in (grad_q, grad_k))
-    layout = (grad_q.stride(), grad_k.stride(), grad_q.dtype)
-    transposed, rule = _kept_transposed(plan, layout)
-    if transposed is None:
-        outs, transposed = set_rotary_qk_kernel(grad_q, grad_k, source, tensor_format,
-                                                start_positions, interleaved, cu_seqlens, cp_size,
-                                                cp_rank, backward, positions, inverse,
-                                                return_plan=True)
-        _keep_transposed(plan, layout, rule, transposed)
-        return outs
-    # A kept plan is of a call with elements: the forward's, whose gradients have its shapes.
-    if start_positions is not None or cu_seqlens is not None or positions is not None:
-        start_positions, cu_seqlens, positions = map(_index_tensor,
-                                                      (start_positions, cu_seqlens, positions))
-    return _launch_rope_qk(transposed, grad_q, grad_k, source, positions, start_positions,
-                           cu_seqlens)
+    return _launch_transposed(
+        plan, (grad_q.stride(), grad_k.stride(), grad_q.dtype),
+        lambda transposed, start_positions, cu_seqlens, positions: _launch_rope_qk(
+            transposed, grad_q, grad_k, source, positions, start_positions, cu_seqlens),
+        lambda: set_rotary_qk_kernel(grad_q, grad_k, source, tensor_format, start_positions,
+                                     interleaved, cu_seqlens, cp_size, cp_rank, backward,
+                                     positions, inverse, return_plan=True),
+        start_positions, cu_seqlens, positions)
 
 
 def _contiguous_outputs(q, k):
