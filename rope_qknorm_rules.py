@@ -53,12 +53,20 @@ RULES = {
     "bwd_unpipelined": G._replace(norm_pipeline_stages=0),
     "bwd_2_stages": G._replace(norm_pipeline_stages=2),
     "bwd_4_stages": G._replace(norm_pipeline_stages=4),
+    "bwd_5_stages": G._replace(norm_pipeline_stages=5),
+    # Three programs of 8 warps an SM where the registers allow them (65536 / (256 * 80)):
+    # OLMo 2's token-norm backward takes 128 uncapped, two programs (NORM_BACKWARD_MAX_REGISTERS).
+    "bwd_80_registers": G._replace(norm_backward_warps_per_sm=24, norm_backward_max_registers=80),
+    "bwd_80_registers_4_stages": G._replace(norm_backward_warps_per_sm=24,
+                                            norm_backward_max_registers=80,
+                                            norm_pipeline_stages=4),
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
 }
 ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
               "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
-EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_8_rows",
-               "bwd_32_rows", "bwd_32_warps_per_sm")
+EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_5_stages",
+               "bwd_8_rows", "bwd_32_rows", "bwd_32_warps_per_sm", "bwd_80_registers",
+               "bwd_80_registers_4_stages")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
 QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
 

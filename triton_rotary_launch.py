@@ -194,6 +194,12 @@ NORM_PIPELINE_STAGES = 3
 # 2.04 -> 1.59. The unpipelined variants (TE's table, 2 warps, about 118 registers) fit
 # uncapped and ran 2-3% slower capped on the H200.
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
+# The plain kernel's pipelined norm backward takes 128 registers a thread at OLMo 2's token
+# norm (32 heads of d 128; Triton 3.6, sm_90): two programs of 8 warps an SM, and ncu reads it
+# at 70.8% of DRAM bandwidth on the H200 against the forward's 78.7%
+# (artifacts/qknorm/olmo2_ncu_h200.txt). Left to the compiler (0) until a cap that lets a third
+# program in is measured on both GPUs (rope_qknorm_rules.py's `bwd_*_registers` variants).
+NORM_BACKWARD_MAX_REGISTERS = 0
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
@@ -223,6 +229,7 @@ class LaunchRule(NamedTuple):
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
     qkv_norm_backward_max_registers: int    # 0: no cap
+    norm_backward_max_registers: int        # 0: no cap
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
     norm_pair_exact_max_heads: int
@@ -234,12 +241,13 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS,
+                      NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
-                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0,
+                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
                               NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
@@ -1201,7 +1209,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                                    norm_backward, searches))
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
-                         cfg, num_warps)
+                         cfg, num_warps,
+                         rule.norm_backward_max_registers if cfg.PIPELINE_STAGES else 0)
         kernel_shape = (shape.nheads, shape.head_dim, shape.rotary_dim)          # HeadShape
     else:
         launch = _Launch(rotary_qk_kernel, _QK_GROUPS, grid, (cfg, None), num_warps)
