@@ -3405,8 +3405,7 @@ def test_eager_backward_launches_the_plan_kept_with_the_forwards(monkeypatch):
     L = triton_rotary_launch
     lookups = []
     cached_plan = L._cached_plan
-    monkeypatch.setattr(L, "_cached_plan", lambda key, make: lookups.append(key) or
-                        cached_plan(key, make))
+    monkeypatch.setattr(L, "_cached_plan", lambda key: lookups.append(key) or cached_plan(key))
     torch.manual_seed(11)
     module = RotaryPositionEmbedding(16, device=DEVICE)
     x = torch.randn(8, 2, 3, 24, device=DEVICE, requires_grad=True)
