@@ -330,7 +330,10 @@ def angle_source(freqs, name="freqs"):
             raise TypeError(f"{name} must be a floating-point tensor (used as float32), got "
                             f"{freqs.dtype}")
         # Used as float32 (cast, as TE does); a negative-bit view is resolved, not read raw.
-        return AngleSource(freqs.float().resolve_neg(), False, None, 1, 1.0, None)
+        # The cast only where it casts: .float() of a float32 table costs CPU time on every call.
+        if freqs.dtype != torch.float32:
+            freqs = freqs.float()
+        return AngleSource(freqs.resolve_neg(), False, None, 1, 1.0, None)
     inv_freq = getattr(freqs, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (angle table) or a "
