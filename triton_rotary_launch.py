@@ -990,7 +990,7 @@ class _RopePlan(NamedTuple):
     weight_gradient: object = None   # backward of a norm: a _WeightGradientPlan
     positions_pass: object = None    # thd backward of a norm: sequence_positions_kernel's launch
     k_strides: tuple = ()        # q and k together (rotary_qk_kernel): k's, and its result's
-    # The plan of the same call transposed (`_launch_transposed`): a list of one entry, None or
+    # The plan of the same call transposed (`_keep_transposed`): a list of one entry, None or
     # (the gradients' layout, the launch rule, the plan); None: an empty call's plan keeps none.
     transposed: list = None
 
@@ -1280,9 +1280,13 @@ def _pre_pass_positions(positions_pass, tokens, start_positions, cu_seqlens, dev
     return positions, None, None
 
 
-def _index_tensor(x):
-    """Index tensors are read with unit stride and without a negative bit."""
-    return x.resolve_neg().contiguous() if isinstance(x, torch.Tensor) else x
+def _index_tensors(start_positions, cu_seqlens, positions):
+    """The index tensors as the kernels read them: with unit stride and without a negative bit
+    (anything else as it is, for the checks to name)."""
+    if start_positions is None and cu_seqlens is None and positions is None:
+        return None, None, None
+    return tuple(x.resolve_neg().contiguous() if isinstance(x, torch.Tensor) else x
+                 for x in (start_positions, cu_seqlens, positions))
 
 
 def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -1311,9 +1315,8 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
     if isinstance(norm_input, torch.Tensor) and norm_input.is_neg():
         norm_input = norm_input.resolve_neg()
     source = _as_source(freqs, "freqs")
-    if start_positions is not None or cu_seqlens is not None or positions is not None:
-        start_positions, cu_seqlens, positions = map(_index_tensor,
-                                                      (start_positions, cu_seqlens, positions))
+    start_positions, cu_seqlens, positions = _index_tensors(start_positions, cu_seqlens,
+                                                            positions)
     tensors = (t, getattr(source, "angles", source), getattr(source, "pair_axis", None),
                start_positions, cu_seqlens, positions, None if out is t else out)
     values = ("rope", tensor_format, interleaved, cp_size, cp_rank, backward, out is t, inverse,
@@ -1362,25 +1365,23 @@ def _launch_rope(plan, t, out, source, positions, start_positions, cu_seqlens, n
         *plan.tokens)             # num_tokens, seq_len, batch, cp_size, cp_rank
 
 
-def _launch_transposed(plan, layout, launch, plan_and_launch, start_positions, cu_seqlens,
-                       positions):
-    """What set_rotary_kernel_transposed and set_rotary_qk_kernel_transposed share: the plan
-    kept with `plan` for gradients of `layout` (strides and dtype) under the launch rule in
-    force, launched by `launch(kept plan, start_positions, cu_seqlens, positions)`; where none
-    is kept, `plan_and_launch()` -> (result, its plan), whose plan is kept in place of what
-    was (one entry, replaced whole: threads sharing `plan` never see half of one)."""
-    rule = _launch_rule()
+def _kept_transposed(plan, layout):
+    """The transposed plan kept with `plan` (`_keep_transposed`) for gradients of `layout`
+    (strides and dtype) under the launch rule in force, or None."""
     entry = plan.transposed[0] if plan.transposed is not None else None
-    if entry is None or entry[0] != layout or entry[1] != rule:
-        result, transposed = plan_and_launch()
-        if plan.transposed is not None:
-            plan.transposed[0] = (layout, rule, transposed)
-        return result
-    # A kept plan is of a call with elements: the forward's, whose gradients have its shapes.
-    if start_positions is not None or cu_seqlens is not None or positions is not None:
-        start_positions, cu_seqlens, positions = map(_index_tensor,
-                                                      (start_positions, cu_seqlens, positions))
-    return launch(entry[2], start_positions, cu_seqlens, positions)
+    if entry is not None and entry[0] == layout and entry[1] == _launch_rule():
+        return entry[2]
+    return None
+
+
+def _keep_transposed(plan, layout, transposed):
+    """Keep `transposed` with `plan` for gradients of `layout` under the launch rule in force,
+    in place of what was kept: one entry, replaced whole, so that threads sharing `plan` never
+    see half of one. The transposed launchers look it up and keep it written out, not through
+    a function given closures, whose creation on every call costs CPU time (as
+    `_cached_plan`'s comment says)."""
+    if plan.transposed is not None:
+        plan.transposed[0] = (layout, _launch_rule(), transposed)
 
 
 def set_rotary_kernel_transposed(grad, plan, source, tensor_format="sbhd", start_positions=None,
@@ -1395,17 +1396,21 @@ def set_rotary_kernel_transposed(grad, plan, source, tensor_format="sbhd", start
     `source` is the AngleSource the forward was called with."""
     if grad.is_neg():
         grad = grad.resolve_neg()        # the kernel reads raw memory: apply the sign first
-
-    def launch(transposed, start_positions, cu_seqlens, positions):
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        _launch_rope(transposed, grad, out, source, positions, start_positions, cu_seqlens, None)
+    layout = (grad.stride(), grad.dtype)
+    transposed = _kept_transposed(plan, layout)
+    if transposed is None:
+        out, transposed = set_rotary_kernel(grad, source, tensor_format, start_positions,
+                                            interleaved, cu_seqlens, cp_size, cp_rank, backward,
+                                            positions=positions, inverse=inverse,
+                                            return_plan=True)
+        _keep_transposed(plan, layout, transposed)
         return out
-    return _launch_transposed(
-        plan, (grad.stride(), grad.dtype), launch,
-        lambda: set_rotary_kernel(grad, source, tensor_format, start_positions, interleaved,
-                                  cu_seqlens, cp_size, cp_rank, backward, positions=positions,
-                                  inverse=inverse, return_plan=True),
-        start_positions, cu_seqlens, positions)
+    # A kept plan is of a call with elements: the forward's, whose gradient has its shape.
+    start_positions, cu_seqlens, positions = _index_tensors(start_positions, cu_seqlens,
+                                                            positions)
+    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    _launch_rope(transposed, grad, out, source, positions, start_positions, cu_seqlens, None)
+    return out
 
 
 def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None,
@@ -1438,9 +1443,8 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
     q, k, q_input, k_input = (x.resolve_neg() if isinstance(x, torch.Tensor) else x
                               for x in (q, k, q_input, k_input))
     source = _as_source(freqs, "freqs")
-    if start_positions is not None or cu_seqlens is not None or positions is not None:
-        start_positions, cu_seqlens, positions = map(_index_tensor,
-                                                      (start_positions, cu_seqlens, positions))
+    start_positions, cu_seqlens, positions = _index_tensors(start_positions, cu_seqlens,
+                                                            positions)
     tensors = (q, k, getattr(source, "angles", source), getattr(source, "pair_axis", None),
                start_positions, cu_seqlens, positions)
     values = ("qk", tensor_format, interleaved, cp_size, cp_rank, backward, inverse,
@@ -1520,14 +1524,19 @@ def set_rotary_qk_kernel_transposed(grad_q, grad_k, plan, source, tensor_format=
     grad_q and grad_k, where `plan` is what `set_rotary_qk_kernel(..., return_plan=True)`
     returned for the call with the rotation transposed."""
     grad_q, grad_k = (g.resolve_neg() if g.is_neg() else g for g in (grad_q, grad_k))
-    return _launch_transposed(
-        plan, (grad_q.stride(), grad_k.stride(), grad_q.dtype),
-        lambda transposed, start_positions, cu_seqlens, positions: _launch_rope_qk(
-            transposed, grad_q, grad_k, source, positions, start_positions, cu_seqlens),
-        lambda: set_rotary_qk_kernel(grad_q, grad_k, source, tensor_format, start_positions,
-                                     interleaved, cu_seqlens, cp_size, cp_rank, backward,
-                                     positions, inverse, return_plan=True),
-        start_positions, cu_seqlens, positions)
+    layout = (grad_q.stride(), grad_k.stride(), grad_q.dtype)
+    transposed = _kept_transposed(plan, layout)
+    if transposed is None:
+        outs, transposed = set_rotary_qk_kernel(grad_q, grad_k, source, tensor_format,
+                                                start_positions, interleaved, cu_seqlens, cp_size,
+                                                cp_rank, backward, positions, inverse,
+                                                return_plan=True)
+        _keep_transposed(plan, layout, transposed)
+        return outs
+    start_positions, cu_seqlens, positions = _index_tensors(start_positions, cu_seqlens,
+                                                            positions)
+    return _launch_rope_qk(transposed, grad_q, grad_k, source, positions, start_positions,
+                           cu_seqlens)
 
 
 def _contiguous_outputs(q, k):
@@ -1819,7 +1828,7 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
     if grads is not None:
         grads = tuple(g.resolve_neg() if isinstance(g, torch.Tensor) else g for g in grads)
     sources = [_as_source(q_freqs, "q_freqs"), _as_source(k_freqs, "k_freqs")]
-    start_positions, positions = _index_tensor(start_positions), _index_tensor(positions)
+    start_positions, _, positions = _index_tensors(start_positions, None, positions)
     split = qkv_split_arg_list
     tensors = (qkv, *[getattr(s, "angles", s) for s in sources],
                *[getattr(s, "pair_axis", None) for s in sources], start_positions, positions,
