@@ -430,6 +430,24 @@ def _backward_rope_call(ctx):
                     positions, call.inverse, not call.transpose, call.norm), inputs
 
 
+def _eager_transposed(ctx):
+    """(the eager forward's launch plan, then the rest of the transposed launcher's arguments:
+    `set_rotary_kernel_transposed`'s, `set_rotary_qk_kernel_transposed`'s after the gradients)
+    where a backward launches the forward's plan transposed straight: eager, with no graph to
+    record, and a forward that kept its plan (one with elements). Else None. A RopeCall or a
+    plan's key worked out in the backward costs CPU time on every step, twice as much on
+    autograd's device thread. Unpacks saved_tensors first, which raises if one was modified in
+    place."""
+    plan = getattr(ctx, "plan", None)
+    if plan is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    ctx.saved_tensors       # noqa: B018
+    call = ctx.call
+    return (plan, call.source, call.tensor_format, call.start_positions, call.interleaved,
+            call.cu_seqlens, call.cp_size, call.cp_rank, not call.transpose, call.positions,
+            call.inverse)
+
+
 def _rms_norm(weight, eps, offset, over):
     """The entry points' norm arguments as an RMSNorm (None without a weight), eps and offset
     as floats (the custom ops' schema); the weight is checked against the input with the
@@ -485,18 +503,9 @@ class RopeForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        plan = getattr(ctx, "plan", None)     # set by an eager forward
-        if plan is not None and not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
-            # Eager, no graph to record: the forward's plan transposed, straight to the launcher
-            # (a RopeCall or a plan's key worked out here costs CPU time on every step, twice
-            # as much on autograd's device thread). Unpacking saved_tensors raises if one was
-            # modified in place.
-            ctx.saved_tensors       # noqa: B018
-            call = ctx.call
-            return set_rotary_kernel_transposed(
-                grad_out, plan, call.source, call.tensor_format, call.start_positions,
-                call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                not call.transpose, call.positions, call.inverse), None
+        kept = _eager_transposed(ctx)
+        if kept is not None:
+            return set_rotary_kernel_transposed(grad_out, *kept), None
         call, _ = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return RopeForwardAndBackward.apply(grad_out, call), None
@@ -518,15 +527,9 @@ class QKRopeForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        plan = getattr(ctx, "plan", None)     # set by an eager forward (None: no elements)
-        if plan is not None and not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
-            # As RopeForwardAndBackward's eager backward: the forward's plan transposed.
-            ctx.saved_tensors       # noqa: B018
-            call = ctx.call
-            return (*set_rotary_qk_kernel_transposed(
-                grad_q, grad_k, plan, call.source, call.tensor_format, call.start_positions,
-                call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
-                not call.transpose, call.positions, call.inverse), None)
+        kept = _eager_transposed(ctx)
+        if kept is not None:
+            return (*set_rotary_qk_kernel_transposed(grad_q, grad_k, *kept), None)
         call, _ = _backward_rope_call(ctx)
         if torch.is_grad_enabled():           # create_graph=True: record the gradient's graph
             return (*QKRopeForwardAndBackward.apply(grad_q, grad_k, call), None)
