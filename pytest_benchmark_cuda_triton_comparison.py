@@ -3257,18 +3257,24 @@ def _planned_calls():
     return calls
 
 
+def _launch_record(launch, args):
+    """rope_sass_probe's launch_record of a `_Launch` called with `args` (its groups as the
+    plain tuples the launcher passes)."""
+    import rope_sass_probe
+    named = [triton_rotary_launch._as_group(a, g) for a, g in zip(args, launch.groups)]
+    return rope_sass_probe.launch_record(launch.kernel.fn, (*named, *args[len(launch.groups):]),
+                                         launch.constexprs, launch.num_warps, launch.options)
+
+
 def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     """Every kind of launch the GPU launch rule plans (`_planned_calls`) compiles for sm_90
     with the Triton installed, as its JIT specializes the arguments. CI runs this with each
     Triton users meet; the interpreter runs none of the compiler, so this is where a Triton
     that cannot compile a variant shows up without a GPU."""
-    import rope_sass_probe
     records = {}      # JSON of a launch -> (its kind, the launch_record)
 
     def record(launch, *args):
-        named = [triton_rotary_launch._as_group(a, g) for a, g in zip(args, launch.groups)]
-        entry = rope_sass_probe.launch_record(launch.kernel.fn, (*named, *args[len(launch.groups):]),
-                                              launch.constexprs, launch.num_warps, launch.options)
+        entry = _launch_record(launch, args)
         cfg = launch.constexprs[0]
         kind = (launch.kernel.fn.__name__, getattr(cfg, "NORM", None), getattr(cfg, "BACKWARD", None),
                 getattr(cfg, "PIPELINE_STAGES", 0) > 0)
@@ -3304,18 +3310,14 @@ def test_norm_backward_register_cap_reaches_the_compiler(tmp_path, monkeypatch):
     """A rule's norm_backward_max_registers caps the plain kernel's pipelined norm backward
     (Triton's `maxnreg`) and no other launch of the call, and the capped kernel compiles for
     sm_90 (rope_qknorm_rules.py times such rules)."""
-    import rope_sass_probe
     L = triton_rotary_launch
     records = []
 
     def record(launch, *args):
-        named = [L._as_group(a, g) for a, g in zip(args, launch.groups)]
         cfg = launch.constexprs[0]
         kind = (launch.kernel.fn.__name__, getattr(cfg, "BACKWARD", None),
                 getattr(cfg, "PIPELINE_STAGES", 0))
-        records.append((kind, rope_sass_probe.launch_record(
-            launch.kernel.fn, (*named, *args[len(launch.groups):]), launch.constexprs,
-            launch.num_warps, launch.options)))
+        records.append((kind, _launch_record(launch, args)))
     monkeypatch.setattr(L._Launch, "__call__", record)
     rule = L.GPU_RULE._replace(norm_backward_max_registers=80, norm_backward_warps_per_sm=24)
     t = torch.randn(1, 64, 4, 32, device=DEVICE, requires_grad=True)
