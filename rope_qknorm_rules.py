@@ -2,7 +2,9 @@
 """QK-norm kernels alone under launch-rule variants: the evidence for the norm's constants in
 triton_rotary_launch.py (NORM_WARPS and the ones after it).
 
-    python rope_qknorm_rules.py OUT        # on a GPU, from the repository root
+    python rope_qknorm_rules.py OUT [LINE ...]   # on a GPU, from the repository root
+
+(LINEs: time only these of `lines`' names, and the copy.)
 
 For the attention inputs of rope_qknorm_bench.py at 16K tokens (bf16), times the launcher's
 calls for q and k (fused QKV: one call) with and without the norm, forward and backward (with
@@ -61,12 +63,24 @@ RULES = {
                                             norm_backward_max_registers=80,
                                             norm_pipeline_stages=4),
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
+    "fwd_loop_unpipelined": G._replace(norm_forward_pipeline_stages=1),
+    "fwd_2_stages": G._replace(norm_forward_pipeline_stages=2),
+    "fwd_3_stages": G._replace(norm_forward_pipeline_stages=3),
+    "fwd_2_stages_8_warps_per_sm": G._replace(norm_forward_pipeline_stages=2,
+                                              norm_forward_warps_per_sm=8),
+    "fwd_4_stages_8_warps_per_sm": G._replace(norm_forward_pipeline_stages=4,
+                                              norm_forward_warps_per_sm=8),
+    "fwd_2_stages_32_warps_per_sm": G._replace(norm_forward_pipeline_stages=2,
+                                               norm_forward_warps_per_sm=32),
 }
 ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
               "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
 EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_5_stages",
                "bwd_8_rows", "bwd_32_rows", "bwd_32_warps_per_sm", "bwd_80_registers",
                "bwd_80_registers_4_stages")
+FORWARD_EXACT_RULES = ("rule", "fwd_loop_unpipelined", "fwd_2_stages", "fwd_3_stages",
+                       "fwd_2_stages_8_warps_per_sm", "fwd_4_stages_8_warps_per_sm",
+                       "fwd_2_stages_32_warps_per_sm")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
 QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
 
@@ -106,6 +120,10 @@ def lines(P):
         "norm_bwd": lambda S: (
             *rope(S.gq, f, backward=True, norm=P.nq, norm_input=S.q, **kw),
             *rope(S.gk, f, backward=True, norm=P.nk, norm_input=S.k, **kw)),
+        "norm_fwd_exact": lambda S: (rope(S.q, P.module, norm=P.nq, **kw),
+                                     rope(S.k, P.module, norm=P.nk, **kw)),
+        "qk_norm_fwd_exact": lambda S: L.set_rotary_qk_kernel(S.q, S.k, P.module, q_norm=P.nq,
+                                                              k_norm=P.nk, **kw),
         "norm_bwd_exact": lambda S: (
             *rope(S.gq, P.module, backward=True, norm=P.nq, norm_input=S.q, **kw),
             *rope(S.gk, P.module, backward=True, norm=P.nk, norm_input=S.k, **kw)),
@@ -146,9 +164,9 @@ def flat(outputs):
 
 
 def main():
-    if len(sys.argv) != 2 or not torch.cuda.is_available():
-        sys.exit("usage: python rope_qknorm_rules.py OUT  (on a CUDA device)")
-    out_dir = sys.argv[1]
+    if len(sys.argv) < 2 or not torch.cuda.is_available():
+        sys.exit("usage: python rope_qknorm_rules.py OUT [LINE ...]  (on a CUDA device)")
+    out_dir, only = sys.argv[1], set(sys.argv[2:])
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
     log, rows = [], []
@@ -164,12 +182,16 @@ def main():
         steps, graphs = lines(P), {}
         plain = ["copy", "rope_fwd", "rope_bwd"] + (["qkv_rope_fwd"] if P.split else [])
         for name in plain:
-            graphs[(name, "-")] = graphed_over(steps[name], P.sets)
+            if name == "copy" or not only or name in only:
+                graphs[(name, "-")] = graphed_over(steps[name], P.sets)
         for names, rules in ((("norm_fwd", "norm_bwd"), ROPE_RULES),
                              (("norm_bwd_exact",), EXACT_RULES),
+                             (("norm_fwd_exact", "qk_norm_fwd_exact"), FORWARD_EXACT_RULES),
                              (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES),
                              (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES)):
             for name in names:
+                if only and name not in only:
+                    continue
                 first = None
                 for rule_name in rules:
                     L._PLANS.clear()
