@@ -3306,36 +3306,6 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     assert not failed, f"{len(failed)} of {len(records)} launches fail to compile: {failed[:3]}"
 
 
-def test_norm_backward_register_cap_reaches_the_compiler(tmp_path, monkeypatch):
-    """A rule's norm_backward_max_registers caps the plain kernel's pipelined norm backward
-    (Triton's `maxnreg`) and no other launch of the call, and the capped kernel compiles for
-    sm_90 (rope_qknorm_rules.py times such rules)."""
-    L = triton_rotary_launch
-    records = []
-
-    def record(launch, *args):
-        cfg = launch.constexprs[0]
-        kind = (launch.kernel.fn.__name__, getattr(cfg, "BACKWARD", None),
-                getattr(cfg, "PIPELINE_STAGES", 0))
-        records.append((kind, _launch_record(launch, args)))
-    monkeypatch.setattr(L._Launch, "__call__", record)
-    rule = L.GPU_RULE._replace(norm_backward_max_registers=80, norm_backward_warps_per_sm=24)
-    t = torch.randn(1, 64, 4, 32, device=DEVICE, requires_grad=True)
-    weight = torch.ones(4 * 32, device=DEVICE, requires_grad=True)
-    with L.use_launch_rule(rule):
-        out = apply_rotary_pos_emb(t, RotaryPositionEmbedding(32, device=DEVICE), "bshd",
-                                   norm_weight=weight, norm_over="token")
-        out.backward(torch.ones_like(out))
-    options = {kind: entry["options"] for kind, entry in records}
-    assert options == {("rotary_kernel", False, 0): {},
-                       ("rotary_kernel", True, rule.norm_pipeline_stages): {"maxnreg": 80},
-                       ("weight_gradient_kernel", None, 0): {}}, options
-    path = tmp_path / "launches.json"
-    path.write_text(json.dumps([entry for _, entry in records]))
-    results = _run_probe("--launches", str(path))
-    assert [res["ok"] for res in results] == [True] * len(records), results
-
-
 def test_thd_tile_loads_are_issued_before_the_sequence_search():
     """A thd tile's own loads (16-byte vectors of bf16) come first in the SASS, ahead of the
     search of cu_seqlens for its tokens' sequences (loads evict_last), for angles from

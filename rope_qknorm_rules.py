@@ -8,9 +8,9 @@ triton_rotary_launch.py (NORM_WARPS and the ones after it).
 
 For the attention inputs of rope_qknorm_bench.py at 16K tokens (bf16), times the launcher's
 calls for q and k (fused QKV: one call) with and without the norm, forward and backward (with
-TE's table; `norm_bwd_exact` and `qkv_norm_bwd_exact` with the module's exact angles, the path
-the backward's pipelining serves), under each rule in RULES, in units of one device copy of q
-and k. Each line is one CUDA graph over rotating buffer sets larger than L2, replayed REPLAYS
+TE's table; the `_exact` lines with the module's exact angles, the path the backward's
+pipelining serves; `qk_norm_fwd_exact` as one call for q and k), under each rule in RULES,
+in units of one device copy of q and k. Each line is one CUDA graph over rotating buffer sets larger than L2, replayed REPLAYS
 times per round, lines interleaved round-robin over ROUNDS rounds, median reported. Before
 timing, each variant's result is compared with the first rule's (the same up to the order of
 the sums of dL/dweight). Writes OUT/rules.log and OUT/rules.json.
@@ -56,31 +56,13 @@ RULES = {
     "bwd_2_stages": G._replace(norm_pipeline_stages=2),
     "bwd_4_stages": G._replace(norm_pipeline_stages=4),
     "bwd_5_stages": G._replace(norm_pipeline_stages=5),
-    # Three programs of 8 warps an SM where the registers allow them (65536 / (256 * 80)):
-    # OLMo 2's token-norm backward takes 128 uncapped, two programs (NORM_BACKWARD_MAX_REGISTERS).
-    "bwd_80_registers": G._replace(norm_backward_warps_per_sm=24, norm_backward_max_registers=80),
-    "bwd_80_registers_4_stages": G._replace(norm_backward_warps_per_sm=24,
-                                            norm_backward_max_registers=80,
-                                            norm_pipeline_stages=4),
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
-    "fwd_loop_unpipelined": G._replace(norm_forward_pipeline_stages=1),
-    "fwd_2_stages": G._replace(norm_forward_pipeline_stages=2),
-    "fwd_3_stages": G._replace(norm_forward_pipeline_stages=3),
-    "fwd_2_stages_8_warps_per_sm": G._replace(norm_forward_pipeline_stages=2,
-                                              norm_forward_warps_per_sm=8),
-    "fwd_4_stages_8_warps_per_sm": G._replace(norm_forward_pipeline_stages=4,
-                                              norm_forward_warps_per_sm=8),
-    "fwd_2_stages_32_warps_per_sm": G._replace(norm_forward_pipeline_stages=2,
-                                               norm_forward_warps_per_sm=32),
 }
 ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
               "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
 EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_5_stages",
-               "bwd_8_rows", "bwd_32_rows", "bwd_32_warps_per_sm", "bwd_80_registers",
-               "bwd_80_registers_4_stages")
-FORWARD_EXACT_RULES = ("rule", "fwd_loop_unpipelined", "fwd_2_stages", "fwd_3_stages",
-                       "fwd_2_stages_8_warps_per_sm", "fwd_4_stages_8_warps_per_sm",
-                       "fwd_2_stages_32_warps_per_sm")
+               "bwd_8_rows", "bwd_32_rows", "bwd_32_warps_per_sm")
+FORWARD_EXACT_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
 QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
 

@@ -192,7 +192,7 @@ class Variant(NamedTuple):
     BLOCK_V: int = 0            # fused QKV: power of two >= v_dim
     INVERSE: bool = False       # rotate by the negated angles (see the module docstring)
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
-    PIPELINE_STAGES: int = 0    # a norm's token loop software-pipelined this deep
+    PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
     NORM_AFTER_ANGLES: bool = False  # norm forward: normalize after the angles are worked out
 
 
@@ -332,9 +332,6 @@ def _tensor_program(tok_block, head_block, head_programs, token_programs, x, out
             positions, norm, cfg)
         _store_dw(norm, tok_block * head_programs + head_block, heads, shape, dw1, dw2, dw_pass,
                   cfg)
-    elif cfg.PIPELINE_STAGES > 0:
-        _norm_forward_tiles(tok_block, token_programs, x, out, heads, shape, tokens, angles,
-                            positions, norm, cfg)
     else:
         _rope_tile(tok_block, x, out, heads, 1, shape, tokens, angles, positions, norm, cfg)
 
@@ -492,21 +489,6 @@ def _norm_backward_tiles(tok_block, token_programs, x, out, v, heads, heads_per_
             dw1, dw2, dw_pass = dw1 + d1, dw2 + d2, dw_pass + d_pass
             block += token_programs
     return tl.sum(dw1, axis=0), tl.sum(dw2, axis=0), tl.sum(dw_pass, axis=0)
-
-
-@triton.jit
-def _norm_forward_tiles(tok_block, token_programs, x, out, heads, shape, tokens, angles,
-                        positions, norm, cfg: tl.constexpr):
-    """The forward of a norm with angles from positions, software-pipelined like its backward
-    (`_norm_backward_tiles`): the tiles of every token_programs-th token block from tok_block
-    on, the next tiles' loads copied into shared memory while this one is worked on. A tile
-    must load all of a token's channels before the norm's sum lets it rotate and store any;
-    unpipelined, the registers that hold them limit how many loads are in flight."""
-    freqs = _pair_frequencies(angles, positions, shape.rotary_dim, cfg)
-    num_blocks = tl.cdiv(tokens.num_tokens, cfg.BLOCK_T)
-    for block in tl.range(tok_block, num_blocks, token_programs, num_stages=cfg.PIPELINE_STAGES):
-        _rope_tile(block, x, out, heads, 1, shape, tokens, angles, positions, norm, cfg, None,
-                   freqs)
 
 
 @triton.jit

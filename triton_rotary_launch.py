@@ -185,10 +185,6 @@ SEQUENCE_POSITIONS_BLOCK = 256
 # backward by -4% to +2% and cut the H200's by 6-9%. Angles from a table keep the
 # plain loop: pipelined, with shared angles, 6-9% slower at five of the six points.
 NORM_PIPELINE_STAGES = 3
-# A norm's forward with angles from positions in the same kind of loop (`_norm_forward_tiles`):
-# 0 leaves it one tile per program.
-NORM_FORWARD_PIPELINE_STAGES = 0
-NORM_FORWARD_WARPS_PER_SM = 16
 # The fused QKV's pipelined norm backward holds the query's path and the key and value's in
 # one kernel: uncapped, it takes 148-150 registers a thread (Triton 3.6, sm_90), so 3 programs
 # of 4 warps fit an SM where NORM_BACKWARD_WARPS_PER_SM plans 4, and a quarter of the programs
@@ -198,12 +194,11 @@ NORM_FORWARD_WARPS_PER_SM = 16
 # 2.04 -> 1.59. The unpipelined variants (TE's table, 2 warps, about 118 registers) fit
 # uncapped and ran 2-3% slower capped on the H200.
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
-# The plain kernel's pipelined norm backward takes 128 registers a thread at OLMo 2's token
-# norm (32 heads of d 128; Triton 3.6, sm_90): two programs of 8 warps an SM, and ncu reads it
-# at 70.8% of DRAM bandwidth on the H200 against the forward's 78.7%
-# (artifacts/qknorm/olmo2_ncu_h200.txt). Left to the compiler (0) until a cap that lets a third
-# program in is measured on both GPUs (rope_qknorm_rules.py's `bwd_*_registers` variants).
-NORM_BACKWARD_MAX_REGISTERS = 0
+# The plain kernel's pipelined norm backward is left uncapped. At OLMo 2's token norm (32 heads
+# of d 128) it takes 128 registers: two programs of 8 warps an SM, which ncu reads at 70.8% of
+# DRAM bandwidth on the H200 (artifacts/qknorm/olmo2_ncu_h200.txt). Capped at 80 for a third
+# program, it ran 1.79 -> 2.48 copies of q and k there (kernels alone,
+# artifacts/qknorm/rules_h200.log).
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
@@ -232,10 +227,7 @@ class LaunchRule(NamedTuple):
     norm_backward_thread_elements: int
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
-    norm_forward_pipeline_stages: int       # 0: a tile per program
-    norm_forward_warps_per_sm: int
     qkv_norm_backward_max_registers: int    # 0: no cap
-    norm_backward_max_registers: int        # 0: no cap
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
     norm_pair_exact_max_heads: int
@@ -246,16 +238,13 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
-                      NORM_PIPELINE_STAGES, NORM_FORWARD_PIPELINE_STAGES,
-                      NORM_FORWARD_WARPS_PER_SM, QKV_NORM_BACKWARD_MAX_REGISTERS,
-                      NORM_BACKWARD_MAX_REGISTERS,
+                      NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0,
-                              INTERPRETER_NORM_PROGRAMS, 0, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
                               NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
@@ -446,11 +435,12 @@ def _weight_as_read(norm):
     return weight
 
 
-def norm_programs(token_blocks, head_programs, device, warps_per_sm, num_warps, gpu_share=1.0):
-    """Programs along the tokens for a norm's token loop, of num_warps warps each: about
-    warps_per_sm warps per SM in all (`gpu_share` of them, where a launch shares the GPU with
-    another tensor's programs), each program looping over its share of the token blocks."""
-    per_sm = max(1, warps_per_sm // num_warps)
+def norm_programs(token_blocks, head_programs, device, rule, num_warps, gpu_share=1.0):
+    """Programs along the tokens for the backward of a norm, of num_warps warps each: about
+    rule.norm_backward_warps_per_sm warps per SM in all (`gpu_share` of them, where a launch
+    shares the GPU with another tensor's programs), each program looping over its share of
+    the token blocks."""
+    per_sm = max(1, rule.norm_backward_warps_per_sm // num_warps)
     # Rounded down: programs past what is resident at once would run after the others, alone.
     resident = int(per_sm * _sm_count(device) * gpu_share)
     return max(1, min(token_blocks, resident // head_programs))
@@ -804,18 +794,6 @@ def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -
     if norm_backward and source.from_positions and not searches:
         return stages
     return 0
-
-
-def _norm_forward_stages(rule: LaunchRule, source, norm, searches: bool, norm_after_angles: bool,
-                         k) -> int:
-    """The Variant's PIPELINE_STAGES for a forward (`_norm_forward_tiles`):
-    rule.norm_forward_pipeline_stages for a norm with angles from positions that normalizes
-    before its angles, in rotary_kernel's tiles (not pair tiles: `k` None) that search no
-    cu_seqlens; else 0."""
-    if (norm is None or not source.from_positions or searches or norm_after_angles
-            or k is not None):
-        return 0
-    return rule.norm_forward_pipeline_stages
 
 
 def _norm_backward_tile_bytes(rule: LaunchRule, source, head_dim: int, element_size: int) -> int:
@@ -1220,17 +1198,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         # (all of them where q's heads take one program, as at one rank of TP 8).
         tile["BLOCK_KV"] = triton.next_power_of_2(triton.cdiv(k_shape.nheads, head_programs))
         head_programs = max(head_programs, triton.cdiv(k_shape.nheads, tile["BLOCK_KV"]))
-    norm_after_angles = (norm is not None and not backward
-                         and _norm_after_angles(source, tile, norm, searches, few_head_pairs))
     if norm_backward:
-        stages = _pipeline_stages(rule.norm_pipeline_stages, source, True, searches)
-        token_blocks = norm_programs(token_blocks, head_programs, t.device,
-                                     rule.norm_backward_warps_per_sm, num_warps, gpu_share)
-    else:
-        stages = _norm_forward_stages(rule, source, norm, searches, norm_after_angles, k)
-        if stages:
-            token_blocks = norm_programs(token_blocks, head_programs, t.device,
-                                         rule.norm_forward_warps_per_sm, num_warps, gpu_share)
+        token_blocks = norm_programs(token_blocks, head_programs, t.device, rule, num_warps,
+                                     gpu_share)
     grid, flat_grid = _program_grid(token_blocks, head_programs)
     # Read positions leave start_positions and the search to the pre-pass: a Variant without
     # them compiles once whatever the number of sequences.
@@ -1244,11 +1214,14 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
-                  NORM_AFTER_ANGLES=norm_after_angles, PIPELINE_STAGES=stages)
+                  NORM_AFTER_ANGLES=(norm is not None and not backward
+                                     and _norm_after_angles(source, tile, norm, searches,
+                                                            few_head_pairs)),
+                  PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
+                                                   norm_backward, searches))
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
-                         cfg, num_warps,
-                         rule.norm_backward_max_registers if norm_backward and stages else 0)
+                         cfg, num_warps)
         kernel_shape = (shape.nheads, shape.head_dim, shape.rotary_dim)          # HeadShape
     else:
         launch = _Launch(rotary_qk_kernel, _QK_GROUPS, grid, (cfg, None), num_warps)
@@ -1574,9 +1547,9 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     its own call of set_rotary_kernel (but a key beside a query in the plain tile, forward:
     NORM_POSITIONS_TILE_BYTES), then pair tiles where `_norm_pair_tiles` says so, else both
     launched as one where that keeps each tensor's tiles as they are (`_joins`), else the two
-    launches. A norm's token loop (the backward's, a pipelined forward's) in one launch keeps
-    about as many programs resident as one call would, shared between q and k in proportion
-    to their sizes (each program loops over its share of the token blocks)."""
+    launches. A norm's backward in one launch keeps about as many programs resident as one
+    call would, shared between q and k in proportion to their sizes (each program loops over
+    its share of the token blocks)."""
     check_qk_pair(q, k)
     for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
         if not isinstance(norm, RMSNorm):
@@ -1599,7 +1572,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     if not _joins(q_plan.launch, k_plan.launch):
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
                            weight_gradients=_qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
-    if backward or q_plan.launch.cfg.PIPELINE_STAGES:
+    if backward:
         q_share = q.numel() / (q.numel() + k.numel())
         q_plan = plan(q, q_norm, q_input, "q", q_share)
         k_plan = plan(k, k_norm, k_input, "k", 1.0 - q_share)
@@ -1802,8 +1775,8 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     k_programs = triton.cdiv(kv_heads, block_kv)
     token_blocks = grid[0]
     if norm_backward:
-        token_blocks = norm_programs(token_blocks, q_programs + k_programs, qkv.device,
-                                     rule.norm_backward_warps_per_sm, num_warps)
+        token_blocks = norm_programs(token_blocks, q_programs + k_programs, qkv.device, rule,
+                                     num_warps)
     grid, flat_grid = _program_grid(token_blocks, q_programs + k_programs, "qkv")
     cfg = Variant(**tile, INTERLEAVED=interleaved, BACKWARD=grads is not None,
                   SEQ_MAJOR=tensor_format == "sbhd", HAS_START=start_positions is not None,
