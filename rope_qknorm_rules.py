@@ -10,10 +10,10 @@ For the attention inputs of rope_qknorm_bench.py at 16K tokens (bf16), times the
 calls for q and k (fused QKV: one call) with and without the norm, forward and backward (with
 TE's table; the `_exact` lines with the module's exact angles, the path the backward's
 pipelining serves; `qk_norm_fwd_exact` as one call for q and k), under each rule in RULES,
-in units of one device copy of q and k. Each line is one CUDA graph over rotating buffer sets larger than L2, replayed REPLAYS
-times per round, lines interleaved round-robin over ROUNDS rounds, median reported. Before
-timing, each variant's result is compared with the first rule's (the same up to the order of
-the sums of dL/dweight). Writes OUT/rules.log and OUT/rules.json.
+in units of one device copy of q and k. Each line is one CUDA graph over rotating buffer sets
+larger than L2, replayed REPLAYS times per round, lines interleaved round-robin over ROUNDS
+rounds, median reported. Before timing, each variant's result is compared with the first
+rule's (the same up to the order of the sums of dL/dweight). Writes OUT/rules.log and OUT/rules.json.
 """
 import json
 import math
