@@ -2104,7 +2104,8 @@ _QK_NORM_CASES = {
     "thd, tokens outside sequences, offset": ((15, 4, 32), (15, 1, 32), "thd", "module",
                                               {"cu_seqlens": [2, 7, 7, 13], "norm_offset": 1.0},
                                               "head", {"rotary_qk_kernel": 2,
-                                                       "sequence_positions_kernel": 1,
+                                                       # one each way (QK_NORM_POSITIONS_PASS)
+                                                       "sequence_positions_kernel": 2,
                                                        "weight_gradient_kernel": 1}),
     "k has more heads, interleaved, inverse": ((6, 2, 3, 32), (6, 2, 5, 32), "sbhd", "interleaved",
                                                {"inverse": True}, "head",
@@ -2192,6 +2193,41 @@ def test_qk_norm_pair_matches_separate_calls(name, monkeypatch):
         unfused = apply_rotary_pos_emb(x.detach(), freqs, fmt, fused=False, norm_weight=w.detach(),
                                        **options)
         torch.testing.assert_close(outs[i].detach(), unfused, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_thd_forward_reads_positions_from_one_pre_pass(monkeypatch):
+    """On thd with cu_seqlens, the forward of q and k with norms in one call reads its tokens'
+    positions from one sequence_positions_kernel launch for both (rule.qk_norm_positions_pass),
+    with the same bits as tiles that search cu_seqlens; a call for one tensor searches."""
+    L = triton_rotary_launch
+    torch.manual_seed(75)
+    cu_seqlens = int_tensor([0, 5, 5, 12, 17])
+    q, k = torch.randn(17, 4, 32, device=DEVICE), torch.randn(17, 2, 32, device=DEVICE)
+    wq, wk = 1 + 0.2 * torch.randn(32, device=DEVICE), 1 + 0.2 * torch.randn(32, device=DEVICE)
+    module = RotaryPositionEmbedding(32, device=DEVICE)
+    launches = collections.Counter()
+    real_call = L._Launch.__call__
+
+    def counting(launch, *args):
+        launches[launch.kernel.fn.__name__] += 1
+        real_call(launch, *args)
+    monkeypatch.setattr(L._Launch, "__call__", counting)
+    results = {}
+    for pre_pass in (True, False):
+        launches.clear()
+        with L.use_launch_rule(L.launch_rule()._replace(qk_norm_positions_pass=pre_pass)):
+            results[pre_pass] = apply_rotary_pos_emb_qk(
+                q, k, module, "thd", cu_seqlens=cu_seqlens, q_norm_weight=wq, k_norm_weight=wk)
+        assert launches["sequence_positions_kernel"] == int(pre_pass), launches
+        launches.clear()
+        apply_rotary_pos_emb(q, module, "thd", cu_seqlens=cu_seqlens, norm_weight=wq)
+        assert launches == {"rotary_kernel": 1}, launches
+    for got, searched in zip(results[True], results[False]):
+        torch.testing.assert_close(got, searched, rtol=0, atol=0)
+    for got, x, w in zip(results[True], (q, k), (wq, wk)):
+        torch.testing.assert_close(got, apply_rotary_pos_emb(x, module, "thd", fused=False,
+                                                             cu_seqlens=cu_seqlens, norm_weight=w),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):

@@ -172,6 +172,14 @@ NORM_BACKWARD_WARPS_PER_SM = 16
 # the H200 (3.02 -> 2.74 copies), 313 -> 312 us on the H100. The query's backward kernel alone
 # (32 heads): 1.89 -> 1.68 copies (H200), 1.64 either way (H100).
 SEQUENCE_POSITIONS_BLOCK = 256
+# The forward of q and k with norms in one call (set_rotary_qk_kernel) takes that pre-pass too,
+# once for both: on the H200 a tile's search costs more than its share of the pass. Packed thd,
+# Qwen3-8B's q and k, 16K tokens, bf16, kernels alone, in copies of q and k, search -> pre-pass
+# (artifacts/qknorm/thd_positions_pass_ab_*): H200 exact angles 1.088 -> 1.032, TE's table
+# 1.206 -> 1.127; H100 1.007 -> 1.018 and 1.043 -> 1.033. A call for one tensor keeps the
+# search: with a pass of its own, q's and k's calls ran 1.082 -> 1.083 and 1.215 -> 1.171 on
+# the H200, 1.029 -> 1.061 and 1.068 -> 1.083 on the H100.
+QK_NORM_POSITIONS_PASS = True
 # That backward's token loop is software-pipelined this many stages deep where its angles come
 # from positions: the next tiles' loads go to shared memory while a tile is worked on. Kernels
 # alone, q and k at 16K tokens, bf16, exact angles (rope_qknorm_rules.py, artifacts/qknorm/
@@ -227,6 +235,7 @@ class LaunchRule(NamedTuple):
     norm_backward_thread_elements: int
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
+    qk_norm_positions_pass: bool
     qkv_norm_backward_max_registers: int    # 0: no cap
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
@@ -238,13 +247,15 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
-                      NORM_PIPELINE_STAGES, QKV_NORM_BACKWARD_MAX_REGISTERS,
+                      NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
+                      QKV_NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
-                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0, 0,
+                              INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
+                              QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
                               NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
@@ -1113,14 +1124,15 @@ def _positions_mode(source, positions):
 
 def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
                interleaved, backward, out, positions, inverse, norm, norm_input, k=None,
-               name="t", gpu_share=1.0, beside_plain_query=False):
+               name="t", gpu_share=1.0, beside_plain_query=False, qk_norm=False):
     """The plan of a call of set_rotary_kernel, or with `k`, of set_rotary_qk_kernel in pair
     tiles (`t` then being q; without norms, or the forward with q's norm, `_norm_pair_tiles`,
     k's then in the launch's second Norm group). `name`: t's name in errors (its norm's
     arguments are then `{name}_norm_weight`, `{name}_input`); `gpu_share`: the share of the
     GPU's resident programs a norm's backward takes (`norm_programs`); `beside_plain_query`:
     t is the key of a q,k forward with norms whose query takes the plain tile
-    (NORM_POSITIONS_TILE_BYTES says why it then does too)."""
+    (NORM_POSITIONS_TILE_BYTES says why it then does too); `qk_norm`: t is q or k of a call
+    for both with norms (`_make_qk_norm_plan`)."""
     if k is not None:
         name = "q"
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
@@ -1164,14 +1176,15 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     is_thd = tensor_format == "thd"
     rule = launch_rule()
     searches = is_thd and positions is None          # tiles search cu_seqlens
+    norm_backward = norm is not None and backward
+    positions_pass = None
+    if searches and (norm_backward or (qk_norm and rule.qk_norm_positions_pass)):
+        # positions from a pre-pass (SEQUENCE_POSITIONS_BLOCK, QK_NORM_POSITIONS_PASS)
+        positions_pass = _sequence_positions_launch(shape, start_positions is not None)
+        searches = False
     # A norm covers every channel: a row of its tile is the whole head, and the channels past
     # rotary_dim are written in place too.
     tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
-    norm_backward = norm is not None and backward
-    positions_pass = None
-    if norm_backward and searches:       # positions from a pre-pass (SEQUENCE_POSITIONS_BLOCK)
-        positions_pass = _sequence_positions_launch(shape, start_positions is not None)
-        searches = False
     if norm_backward:
         tile_bytes = _norm_backward_tile_bytes(rule, source, shape.head_dim, t.element_size())
     positions_tile = (norm is not None and not backward
@@ -1559,7 +1572,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
         return _make_plan(x, source, tensor_format, start_positions, cu_seqlens, cp_size,
                           cp_rank, interleaved, backward, None, positions, inverse, norm,
                           x_input, k, name=name, gpu_share=share,
-                          beside_plain_query=beside_plain_query)
+                          beside_plain_query=beside_plain_query, qk_norm=True)
     q_plan = plan(q, q_norm, q_input, "q")       # checks the call, the source included
     # A query in the plain tile (neither one head nor the positions tile): the key takes it too.
     q_heads = q.shape[-2]
@@ -1568,7 +1581,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     k_plan = plan(k, k_norm, k_input, "k", beside_plain_query=beside_plain_query)
     if _norm_pair_tiles(launch_rule(), backward, source, q_heads, k.shape[-2], q_norm, k_norm):
         pair = plan(q, q_norm, None, "q", k=k)       # q's forward tile with k's heads joined
-        return _QKNormPlan(pair.launch, q_plan, k_plan, pair.shape)
+        return _QKNormPlan(pair.launch, q_plan, k_plan, pair.shape, pair.positions_pass)
     if not _joins(q_plan.launch, k_plan.launch):
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
                            weight_gradients=_qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
