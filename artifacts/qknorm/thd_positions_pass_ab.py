@@ -1,11 +1,12 @@
 """A/B: the forward of q and k with norms on packed thd (cu_seqlens), its tiles searching
-cu_seqlens for their tokens' sequences (the rule) or reading the positions a pre-pass worked
-out once per token (sequence_positions_kernel, as the backward does: the rule's
-qk_norm_positions_pass, which serves calls for q and k alone). Qwen3-8B's attention inputs (32 query heads, 8 key heads, d 128,
-bf16, 16K tokens in sequences of lognormal lengths: rope_qknorm_bench.py's packed point);
-exact angles and TE's table; q and k in one call, and one call each. Kernels alone, each line
-one CUDA graph over rotating buffer sets larger than L2, interleaved round-robin, median, in
-copies of q and k (rope_qknorm_rules.py's timing). Results are compared bit for bit.
+cu_seqlens for their tokens' sequences (the rule without qk_norm_positions_pass) or reading
+the positions a pre-pass worked out once per token for both tensors (sequence_positions_kernel,
+as the backward does: the rule's qk_norm_positions_pass). Qwen3-8B's attention inputs (32
+query heads, 8 key heads, d 128, bf16, 16K tokens in sequences of lognormal lengths:
+rope_qknorm_bench.py's packed point); exact angles and TE's table; q and k in one call, and one
+call each. Kernels alone, each line one CUDA graph over rotating buffer sets larger than L2,
+interleaved round-robin, median, in copies of q and k (rope_qknorm_rules.py's timing). Results
+are compared bit for bit.
 
 The `each_*` lines (q's and k's own calls) keep the search under either rule; in the
 committed logs (thd_positions_pass_ab_h100.log, _h200.log) they took a pass of their own,
