@@ -172,14 +172,6 @@ NORM_BACKWARD_WARPS_PER_SM = 16
 # the H200 (3.02 -> 2.74 copies), 313 -> 312 us on the H100. The query's backward kernel alone
 # (32 heads): 1.89 -> 1.68 copies (H200), 1.64 either way (H100).
 SEQUENCE_POSITIONS_BLOCK = 256
-# The forward of q and k with norms in one call (set_rotary_qk_kernel) takes that pre-pass too,
-# once for both: on the H200 a tile's search costs more than its share of the pass. Packed thd,
-# Qwen3-8B's q and k, 16K tokens, bf16, kernels alone, in copies of q and k, search -> pre-pass
-# (artifacts/qknorm/thd_positions_pass_ab_*): H200 exact angles 1.088 -> 1.032, TE's table
-# 1.206 -> 1.127; H100 1.007 -> 1.018 and 1.043 -> 1.033. A call for one tensor keeps the
-# search: with a pass of its own, q's and k's calls ran 1.082 -> 1.083 and 1.215 -> 1.171 on
-# the H200, 1.029 -> 1.061 and 1.068 -> 1.083 on the H100.
-QK_NORM_POSITIONS_PASS = True
 # That backward's token loop is software-pipelined this many stages deep where its angles come
 # from positions: the next tiles' loads go to shared memory while a tile is worked on. Kernels
 # alone, q and k at 16K tokens, bf16, exact angles (rope_qknorm_rules.py, artifacts/qknorm/
@@ -193,6 +185,15 @@ QK_NORM_POSITIONS_PASS = True
 # backward by -4% to +2% and cut the H200's by 6-9%. Angles from a table keep the
 # plain loop: pipelined, with shared angles, 6-9% slower at five of the six points.
 NORM_PIPELINE_STAGES = 3
+# The thd positions pre-pass (SEQUENCE_POSITIONS_BLOCK) serves the forward of q and k with
+# norms in one call (set_rotary_qk_kernel) too, once for both: on the H200 a tile's search
+# costs more than its share of the pass. Packed thd, Qwen3-8B's q and k, 16K tokens, bf16,
+# kernels alone, in copies of q and k, search -> pre-pass
+# (artifacts/qknorm/thd_positions_pass_ab_*): H200 exact angles 1.088 -> 1.032, TE's table
+# 1.206 -> 1.127; H100 1.007 -> 1.018 and 1.043 -> 1.033. A call for one tensor keeps the
+# search: with a pass of its own, q's and k's calls ran 1.082 -> 1.083 and 1.215 -> 1.171 on
+# the H200, 1.029 -> 1.061 and 1.068 -> 1.083 on the H100.
+QK_NORM_POSITIONS_PASS = True
 # The fused QKV's pipelined norm backward holds the query's path and the key and value's in
 # one kernel: uncapped, it takes 148-150 registers a thread (Triton 3.6, sm_90), so 3 programs
 # of 4 warps fit an SM where NORM_BACKWARD_WARPS_PER_SM plans 4, and a quarter of the programs
@@ -200,13 +201,12 @@ NORM_PIPELINE_STAGES = 3
 # Kernels alone, in copies of qkv, H100 / H200 (artifacts/qknorm/qkv_registers_ab_*, with
 # norm_programs rounding down): Qwen3-8B 1.87 -> 1.70 / 2.09 -> 1.60, Gemma 3 1.72 -> 1.58 /
 # 2.04 -> 1.59. The unpipelined variants (TE's table, 2 warps, about 118 registers) fit
-# uncapped and ran 2-3% slower capped on the H200.
+# uncapped and ran 2-3% slower capped on the H200. The plain kernel's pipelined norm backward
+# has no cap: at OLMo 2's token norm (32 heads of d 128) it takes 128 registers, two programs
+# of 8 warps an SM, which ncu reads at 70.8% of DRAM bandwidth on the H200
+# (artifacts/qknorm/olmo2_ncu_h200.txt); capped at 80 for a third program, it ran 1.79 -> 2.48
+# copies of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
-# The plain kernel's pipelined norm backward is left uncapped. At OLMo 2's token norm (32 heads
-# of d 128) it takes 128 registers: two programs of 8 warps an SM, which ncu reads at 70.8% of
-# DRAM bandwidth on the H200 (artifacts/qknorm/olmo2_ncu_h200.txt). Capped at 80 for a third
-# program, it ran 1.79 -> 2.48 copies of q and k there (kernels alone,
-# artifacts/qknorm/rules_h200.log).
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
