@@ -385,9 +385,8 @@ def plot(rows, path):
                     handles[line], = ax.plot(*zip(*pts), marker="o", label=line,
                                              color=f"C{LINES.index(line)}",
                                              lw=2.2 if ours else 1.2, zorder=5 if ours else 3)
-            handles["ideal"] = ax.axhline(1.0 if mode == "fwd" else 2.5, ls="--", color="gray",
-                                          label="ideal (1.0 forward, 2.5 forward + backward)",
-                                          zorder=2)
+            handles["ideal (1.0 forward, 2.5 forward + backward)"] = ax.axhline(
+                1.0 if mode == "fwd" else 2.5, ls="--", color="gray", zorder=2)
             toks = sorted({r["tokens"] for r in sub})
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
