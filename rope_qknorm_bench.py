@@ -362,11 +362,21 @@ def table(P, mode, rows, corr, nsets):
     return "\n".join(out)
 
 
+def _copies_tick(value, _position):
+    """A y tick's label: values of leading digit 1, 2, 3 or 5 only, so that the labels of a
+    log axis do not crowd."""
+    if value <= 0:
+        return ""
+    lead = round(value / 10 ** math.floor(math.log10(value)), 6)
+    return f"{value:g}" if lead in (1, 2, 3, 5) else ""
+
+
 def plot(rows, path):
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except Exception as e:
         return f"no plot: {e}"
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -391,6 +401,9 @@ def plot(rows, path):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xticks(toks, [str(t) for t in toks])
+            # Copies as plain numbers (1, 2, 3, 5, 10, ...), not powers of ten, on the log axis.
+            for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+                set_formatter(matplotlib.ticker.FuncFormatter(_copies_tick))
             ax.set(title=f"{m}  {mode}", xlabel="tokens", ylabel="time / copy of q+k")
     # One legend for every panel, above them: inside a panel it covered lines.
     fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=5, fontsize=8,
