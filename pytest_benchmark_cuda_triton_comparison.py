@@ -2037,6 +2037,19 @@ _QK_CASES = {
 }
 
 
+def _counted_launches(patch):
+    """A Counter of the launches made from here on, by kernel name (each launch still runs):
+    `patch` (a monkeypatch or one of its contexts) wraps _Launch.__call__ until it is undone."""
+    launches = collections.Counter()
+    real_call = triton_rotary_launch._Launch.__call__
+
+    def counting(launch, *args):
+        launches[launch.kernel.fn.__name__] += 1
+        real_call(launch, *args)
+    patch.setattr(triton_rotary_launch._Launch, "__call__", counting)
+    return launches
+
+
 @pytest.mark.parametrize("name", list(_QK_CASES))
 def test_qk_pair_matches_separate_calls(name, monkeypatch):
     """apply_rotary_pos_emb_qk equals apply_rotary_pos_emb of q and of k, forward and
@@ -2060,14 +2073,8 @@ def test_qk_pair_matches_separate_calls(name, monkeypatch):
     q = torch.randn(q_shape, device=DEVICE).requires_grad_(True)
     k_buffer = torch.randn((*k_shape[:-2], k_shape[-2] + 1, 2 * k_shape[-1]), device=DEVICE)
     k = k_buffer[..., 1:, ::2].detach().requires_grad_(True)
-    launches = collections.Counter()
-    real_call = triton_rotary_launch._Launch.__call__
-
-    def counting(launch, *args):
-        launches[launch.kernel.fn.__name__] += 1
-        real_call(launch, *args)
     with monkeypatch.context() as patch:
-        patch.setattr(triton_rotary_launch._Launch, "__call__", counting)
+        launches = _counted_launches(patch)
         out_q, out_k = apply_rotary_pos_emb_qk(q, k, freqs, fmt, **options)
         grads = (torch.randn_like(out_q), torch.randn_like(out_k))
         grad_q, grad_k = torch.autograd.grad((out_q, out_k), (q, k), grads)
@@ -2159,12 +2166,6 @@ def test_qk_norm_pair_matches_separate_calls(name, monkeypatch):
     k = k_buffer[..., ::2].detach().requires_grad_(True)              # channels strided
     wq = (1 + 0.2 * torch.randn(width(q_shape), device=DEVICE)).requires_grad_(True)
     wk = (1 + 0.2 * torch.randn(width(k_shape), device=DEVICE)).requires_grad_(True)
-    launches = collections.Counter()
-    real_call = triton_rotary_launch._Launch.__call__
-
-    def counting(launch, *args):
-        launches[launch.kernel.fn.__name__] += 1
-        real_call(launch, *args)
     # The GPU's rule on one SM, as the interpreter plans it: the tiles, and so the launches,
     # of these small inputs are then the same on a GPU. The interpreters of Triton 3.5 and 3.6
     # run no pipelined loop; the plain one gives the same bits
@@ -2174,7 +2175,7 @@ def test_qk_norm_pair_matches_separate_calls(name, monkeypatch):
     if not ON_GPU and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7):
         rule = rule._replace(norm_pipeline_stages=0)
     with monkeypatch.context() as patch, triton_rotary_launch.use_launch_rule(rule):
-        patch.setattr(triton_rotary_launch._Launch, "__call__", counting)
+        launches = _counted_launches(patch)
         outs = apply_rotary_pos_emb_qk(q, k, freqs, fmt, q_norm_weight=wq, k_norm_weight=wk,
                                        **options)
         grads = [torch.randn_like(o) for o in outs]
@@ -2205,13 +2206,7 @@ def test_qk_norm_thd_forward_reads_positions_from_one_pre_pass(monkeypatch):
     q, k = torch.randn(17, 4, 32, device=DEVICE), torch.randn(17, 2, 32, device=DEVICE)
     wq, wk = 1 + 0.2 * torch.randn(32, device=DEVICE), 1 + 0.2 * torch.randn(32, device=DEVICE)
     module = RotaryPositionEmbedding(32, device=DEVICE)
-    launches = collections.Counter()
-    real_call = L._Launch.__call__
-
-    def counting(launch, *args):
-        launches[launch.kernel.fn.__name__] += 1
-        real_call(launch, *args)
-    monkeypatch.setattr(L._Launch, "__call__", counting)
+    launches = _counted_launches(monkeypatch)
     results = {}
     for pre_pass in (True, False):
         launches.clear()
