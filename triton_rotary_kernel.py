@@ -194,7 +194,6 @@ class Variant(NamedTuple):
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
     PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
     NORM_AFTER_ANGLES: bool = False  # norm forward: normalize after the angles are worked out
-    NORM_HEAD_CHUNK: int = 0    # norm over the token, forward: rotate this many heads at a time
 
 
 class TileInputs(NamedTuple):
@@ -568,28 +567,7 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
                               shape.rotary_dim, freqs, compute_dtype, BLOCK_H > 1, cfg)
-    if cfg.NORM_HEAD_CHUNK > 0:
-        # A norm over the token, in two steps: its sums from the loads above (the token in t's
-        # dtype, `_tile_inputs`), then the rotation NORM_HEAD_CHUNK heads at a time, each chunk
-        # read again (from cache: this program has just read it). A program then holds the
-        # token's bytes and one chunk's arithmetic, not the whole token's in float32 with its
-        # weights (the launcher's NORM_TOKEN_HEAD_CHUNK says what that bought).
-        tl.static_assert(cfg.NORM == NORM_OVER_TOKEN and not cfg.BACKWARD,
-                         "head chunks are the forward of a norm over the token")
-        rstd = _rstd(inputs.x1.to(compute_dtype), inputs.x2.to(compute_dtype),
-                     inputs.x_pass.to(compute_dtype), inputs.width, norm.eps, cfg)
-        chunk = 0
-        while chunk < tl.cdiv(shape.nheads, cfg.NORM_HEAD_CHUNK):
-            # The tile holds every head of its token (heads are 0..BLOCK_H - 1).
-            chunk_heads = chunk * cfg.NORM_HEAD_CHUNK + tl.arange(0, cfg.NORM_HEAD_CHUNK)
-            chunk_inputs = _tile_inputs(x, out, chunk_heads, heads_per_group, shape, tok_ok,
-                                        seq_idx, batch_idx, norm, None, cfg)
-            _rotate_and_store(chunk_inputs, rotation, norm, cfg, rstd)
-            chunk += 1
-        dw = 0, 0, 0
-    else:
-        dw = _rotate_and_store(inputs, rotation, norm, cfg)
-    return dw
+    return _rotate_and_store(inputs, rotation, norm, cfg)
 
 
 @triton.jit
@@ -600,7 +578,6 @@ def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens,
     once for the two."""
     tl.static_assert(cfg.NORM == NO_NORM or not cfg.BACKWARD,
                      "the backward of a norm takes q's and k's own tiles")
-    tl.static_assert(cfg.NORM_HEAD_CHUNK == 0, "pair tiles rotate their heads at once")
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
     q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok_ok, seq_idx, batch_idx,
                             q_norm, None, cfg)
@@ -628,7 +605,7 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
     BLOCK_H: tl.constexpr = heads.shape[0]
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
     NORM_FORWARD: tl.constexpr = cfg.NORM != NO_NORM and not cfg.BACKWARD
-    NORM_LATE: tl.constexpr = NORM_FORWARD and (cfg.NORM_AFTER_ANGLES or cfg.NORM_HEAD_CHUNK > 0)
+    NORM_LATE: tl.constexpr = NORM_FORWARD and cfg.NORM_AFTER_ANGLES
     load_dtype = compute_dtype
     if NORM_LATE:
         # Kept in t's dtype until the norm converts them, after the angles (`_rotate_and_store`).
@@ -716,18 +693,15 @@ def _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens
 
 
 @triton.jit
-def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr, rstd=None):
+def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr):
     """The rest of a tile: the rotation (`_tile_rotation`'s) of `_tile_inputs`' pairs, the
-    backward's norm transpose, and the stores. Returns what `_rope_tile` returns. `rstd`: the
-    forward norm's 1 / rms (`_rstd`) where the tile holds a part of what the norm covers (a
-    head chunk)."""
+    backward's norm transpose, and the stores. Returns what `_rope_tile` returns."""
     x1, x2, x_pass, mask, mask_p = inputs.x1, inputs.x2, inputs.x_pass, inputs.mask, inputs.mask_p
     out_base, out_dim, offs = inputs.out_base, inputs.out_dim, inputs.offs
     in_seq, cos1, cos2, sin_a, sin_b = rotation
     compute_dtype = cos1.dtype
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
-    if cfg.NORM != NO_NORM and not cfg.BACKWARD and (cfg.NORM_AFTER_ANGLES
-                                                      or cfg.NORM_HEAD_CHUNK > 0):
+    if cfg.NORM != NO_NORM and not cfg.BACKWARD and cfg.NORM_AFTER_ANGLES:
         # The forward's norm, after the angles: its sums wait for the tile's loads, and the
         # angles, worked out first, fill that wait (the launcher's `_norm_after_angles` says
         # where this wins).
@@ -735,8 +709,7 @@ def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr, rstd=None):
         w1 = inputs.w1.to(compute_dtype) + norm.offset
         w2 = inputs.w2.to(compute_dtype) + norm.offset
         w_pass = inputs.w_pass.to(compute_dtype) + norm.offset
-        x1, x2, x_pass = _rms_norm(x1, x2, x_pass, w1, w2, w_pass, inputs.width, norm.eps, cfg,
-                                   rstd)
+        x1, x2, x_pass = _rms_norm(x1, x2, x_pass, w1, w2, w_pass, inputs.width, norm.eps, cfg)
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))
@@ -878,11 +851,10 @@ def _weight_rows(ptr, heads, shape, cfg: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm(x1, x2, x_pass, w1, w2, w_pass, width, eps, cfg: tl.constexpr, rstd=None):
+def _rms_norm(x1, x2, x_pass, w1, w2, w_pass, width, eps, cfg: tl.constexpr):
     """The forward's norm: x * rstd * w for both members of the pairs and the channels past
-    them (w the weight plus its offset); rstd from x's own sums unless given."""
-    if rstd is None:
-        rstd = _rstd(x1, x2, x_pass, width, eps, cfg)
+    them (w the weight plus its offset)."""
+    rstd = _rstd(x1, x2, x_pass, width, eps, cfg)
     return x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
 
 

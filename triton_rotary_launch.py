@@ -207,10 +207,6 @@ QK_NORM_POSITIONS_PASS = True
 # (artifacts/qknorm/olmo2_ncu_h200.txt); capped at 80 for a third program, it ran 1.79 -> 2.48
 # copies of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
-# A norm over the whole token (OLMo 2) has a program hold its token: the forward takes its
-# sums from the token's loads, then rotates it NORM_TOKEN_HEAD_CHUNK heads at a time, each
-# chunk read again from cache (Variant.NORM_HEAD_CHUNK; 0: the whole token at once).
-NORM_TOKEN_HEAD_CHUNK = 8
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
@@ -244,7 +240,6 @@ class LaunchRule(NamedTuple):
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
     norm_pair_exact_max_heads: int
-    norm_token_head_chunk: int  # 0: a norm over the token rotates the token at once
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
@@ -254,8 +249,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       QKV_NORM_BACKWARD_MAX_REGISTERS,
-                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
-                      NORM_TOKEN_HEAD_CHUNK)
+                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
@@ -263,7 +257,7 @@ INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
                               QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
-                              NORM_PAIR_EXACT_MAX_HEADS, NORM_TOKEN_HEAD_CHUNK)
+                              NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
 
 
@@ -813,17 +807,6 @@ def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -
     return 0
 
 
-def _norm_head_chunk(rule: LaunchRule, norm, backward: bool, tile: dict, k) -> int:
-    """The Variant's NORM_HEAD_CHUNK (NORM_TOKEN_HEAD_CHUNK says why): the rule's chunk for
-    the forward of a norm over the token in its own tiles (not pair tiles, `k`), where the tile
-    holds more heads than a chunk; else 0."""
-    chunk = rule.norm_token_head_chunk
-    if (norm is None or backward or norm.over != "token" or k is not None
-            or not 0 < chunk < tile["BLOCK_H"]):
-        return 0
-    return chunk
-
-
 def _norm_backward_tile_bytes(rule: LaunchRule, source, head_dim: int, element_size: int) -> int:
     """Bytes of a norm backward's tile: rule.norm_backward_rows rows of the head
     (rule.norm_table_backward_rows with angles from a table)."""
@@ -1248,8 +1231,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                      and _norm_after_angles(source, tile, norm, searches,
                                                             few_head_pairs)),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
-                                                   norm_backward, searches),
-                  NORM_HEAD_CHUNK=_norm_head_chunk(rule, norm, backward, tile, k))
+                                                   norm_backward, searches))
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
                          cfg, num_warps)
