@@ -194,8 +194,6 @@ NORM_PIPELINE_STAGES = 3
 # search: with a pass of its own, q's and k's calls ran 1.082 -> 1.083 and 1.215 -> 1.171 on
 # the H200, 1.029 -> 1.061 and 1.068 -> 1.083 on the H100.
 QK_NORM_POSITIONS_PASS = True
-# thd calls without a norm that search cu_seqlens read their positions from the pre-pass too.
-THD_POSITIONS_PASS = False
 # The fused QKV's pipelined norm backward holds the query's path and the key and value's in
 # one kernel: uncapped, it takes 148-150 registers a thread (Triton 3.6, sm_90), so 3 programs
 # of 4 warps fit an SM where NORM_BACKWARD_WARPS_PER_SM plans 4, and a quarter of the programs
@@ -238,7 +236,6 @@ class LaunchRule(NamedTuple):
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
     qk_norm_positions_pass: bool
-    thd_positions_pass: bool
     qkv_norm_backward_max_registers: int    # 0: no cap
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
@@ -250,7 +247,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
                       NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
-                      NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS, THD_POSITIONS_PASS,
+                      NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       QKV_NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
@@ -258,7 +255,7 @@ INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
-                              QK_NORM_POSITIONS_PASS, THD_POSITIONS_PASS, 0,
+                              QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
                               NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
@@ -1181,10 +1178,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     searches = is_thd and positions is None          # tiles search cu_seqlens
     norm_backward = norm is not None and backward
     positions_pass = None
-    if searches and (norm_backward or (qk_norm and rule.qk_norm_positions_pass)
-                     or (norm is None and rule.thd_positions_pass)):
-        # positions from a pre-pass (SEQUENCE_POSITIONS_BLOCK, QK_NORM_POSITIONS_PASS,
-        # THD_POSITIONS_PASS)
+    if searches and (norm_backward or (qk_norm and rule.qk_norm_positions_pass)):
+        # positions from a pre-pass (SEQUENCE_POSITIONS_BLOCK, QK_NORM_POSITIONS_PASS)
         positions_pass = _sequence_positions_launch(shape, start_positions is not None)
         searches = False
     # A norm covers every channel: a row of its tile is the whole head, and the channels past
@@ -1356,6 +1351,9 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
             partial = _partial_sums(plan.weight_gradient, t)
             norm_input = (norm_input, plan.norm_input_strides)
         norm_group = _norm_group(norm, norm_input, partial)
+        if plan.positions_pass is not None:
+            positions, start_positions, cu_seqlens = _pre_pass_positions(
+                plan.positions_pass, plan.tokens, start_positions, cu_seqlens, t.device)
     if plan.launch is not None:
         _launch_rope(plan, t, out, source, positions, start_positions, cu_seqlens, norm_group)
     if norm is not None and backward:
@@ -1364,11 +1362,7 @@ def set_rotary_kernel(t, freqs, tensor_format="sbhd", start_positions=None, inte
 
 
 def _launch_rope(plan, t, out, source, positions, start_positions, cu_seqlens, norm_group):
-    """Launch `plan` (a _RopePlan of rotary_kernel) on t into out, after its positions pre-pass
-    if it has one."""
-    if plan.positions_pass is not None:
-        positions, start_positions, cu_seqlens = _pre_pass_positions(
-            plan.positions_pass, plan.tokens, start_positions, cu_seqlens, t.device)
+    """Launch `plan` (a _RopePlan of rotary_kernel) on t into out."""
     # The kernel's groups as plain tuples, field by field (`_Launch` says why).
     plan.launch(
         (t, plan.x_strides),                                                # x: View
@@ -1518,9 +1512,6 @@ def _launch_rope_qk(plan, q, k, source, positions, start_positions, cu_seqlens):
     """Launch `plan` (a _RopePlan of rotary_qk_kernel without norms) on q and k; returns their
     results, contiguous."""
     q_out, k_out = _contiguous_outputs(q, k)
-    if plan.positions_pass is not None:
-        positions, start_positions, cu_seqlens = _pre_pass_positions(
-            plan.positions_pass, plan.tokens, start_positions, cu_seqlens, q.device)
     k_strides, k_out_strides = plan.k_strides
     # The kernel's groups as plain tuples, field by field (`_Launch` says why).
     plan.launch(
