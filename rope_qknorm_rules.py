@@ -57,10 +57,6 @@ RULES = {
     "bwd_4_stages": G._replace(norm_pipeline_stages=4),
     "bwd_5_stages": G._replace(norm_pipeline_stages=5),
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
-    "load_cg": G._replace(tile_load_cache=".cg"),
-    "load_evict_first": G._replace(tile_load_evict="evict_first"),
-    "store_cs": G._replace(tile_store_cache=".cs"),
-    "load_cg_store_cs": G._replace(tile_load_cache=".cg", tile_store_cache=".cs"),
 }
 ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
               "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
@@ -69,10 +65,6 @@ EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_5
 FORWARD_EXACT_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
 QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
-# How the tiles' own loads and stores meet the caches (TILE_LOAD_CACHE and after), on the
-# `cache_` lines: the lines without that prefix again.
-CACHE_RULES = ("rule", "load_cg", "load_evict_first", "store_cs", "load_cg_store_cs")
-CACHE_LINES = ("norm_fwd", "norm_bwd", "norm_fwd_exact", "qk_norm_fwd_exact", "norm_bwd_exact")
 
 
 def build(p, dev="cuda"):
@@ -118,8 +110,6 @@ def lines(P):
             *rope(S.gq, P.module, backward=True, norm=P.nq, norm_input=S.q, **kw),
             *rope(S.gk, P.module, backward=True, norm=P.nk, norm_input=S.k, **kw)),
     }
-    for name in CACHE_LINES:
-        out[f"cache_{name}"] = out[name]
     if P.split:
         qkv = L.set_rotary_qkv_kernel
         out["qkv_rope_fwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd")
@@ -180,8 +170,7 @@ def main():
                              (("norm_bwd_exact",), EXACT_RULES),
                              (("norm_fwd_exact", "qk_norm_fwd_exact"), FORWARD_EXACT_RULES),
                              (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES),
-                             (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES),
-                             (tuple(f"cache_{n}" for n in CACHE_LINES), CACHE_RULES)):
+                             (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES)):
             for name in names:
                 if only and name not in only:
                     continue

@@ -194,9 +194,6 @@ class Variant(NamedTuple):
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
     PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
     NORM_AFTER_ANGLES: bool = False  # norm forward: normalize after the angles are worked out
-    LOAD_CACHE: str = ""        # tl.load cache_modifier of the tile's own data (read once)
-    LOAD_EVICT: str = ""        # tl.load eviction_policy of the tile's own data
-    STORE_CACHE: str = ""       # tl.store cache_modifier of the tile's results
 
 
 class TileInputs(NamedTuple):
@@ -622,7 +619,7 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
     mask = mask_th & channels_ok
     if cfg.WIDE_INNER:
         offs = offs.to(tl.int64)
-    x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, load_dtype, cfg, True)
+    x1, x2 = _load_pairs(x_base, x_dim, offs, half, mask, load_dtype, cfg)
     x_pass, offs_p, mask_p = 0, 0, 0
     if cfg.BLOCK_PASS > 0:
         # Channels rotary_dim..head_dim are copied through (normalized, with a norm).
@@ -632,9 +629,9 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
         mask_p = mask_th & (offs_p < shape.head_dim)[None, None, :]
         if cfg.NORM != NO_NORM:
             # The norm's sums need zeros where masked; a plain copy leaves those lanes unset.
-            x_pass = _tile_load(x_base + offs_p[None, None, :] * x_dim, mask_p, 0.0, cfg, True)
+            x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p, other=0.0)
         else:
-            x_pass = _tile_load(x_base + offs_p[None, None, :] * x_dim, mask_p, None, cfg, True)
+            x_pass = tl.load(x_base + offs_p[None, None, :] * x_dim, mask=mask_p)
     elif cfg.NORM != NO_NORM:
         # No channels past rotary_dim: the norm's sums over them see one masked-off channel.
         offs_p = _pass_channels(rotary_dim, cfg)
@@ -646,9 +643,9 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
         n_base = _tile_base(norm.x, seq_idx, batch_idx,
                             _head_offsets(norm.x, heads, heads_per_group))
         n_dim = norm.x.strides[-1]
-        n1, n2 = _load_pairs(n_base, n_dim, offs, half, mask, compute_dtype, cfg, True)
-        n_pass = _tile_load(n_base + offs_p[None, None, :] * n_dim, mask_p, 0.0, cfg,
-                            True).to(compute_dtype)
+        n1, n2 = _load_pairs(n_base, n_dim, offs, half, mask, compute_dtype, cfg)
+        n_pass = tl.load(n_base + offs_p[None, None, :] * n_dim, mask=mask_p,
+                         other=0.0).to(compute_dtype)
     w1, w2, w_pass, width = 0, 0, 0, 0
     if cfg.NORM != NO_NORM:
         if weights is not None:
@@ -737,16 +734,14 @@ def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr):
     BLOCK_H: tl.constexpr = x1.shape[1]
     if cfg.INTERLEAVED:
         result = tl.reshape(tl.join(out1, out2), [BLOCK_T, BLOCK_H, 2 * cfg.BLOCK_HALF])
-        tl.store(out_base + offs[None, None, :] * out_dim, result.to(out_ty), mask=mask,
-                 cache_modifier=cfg.STORE_CACHE)
+        tl.store(out_base + offs[None, None, :] * out_dim, result.to(out_ty), mask=mask)
     else:
         out1_ptrs = out_base + offs[None, None, :] * out_dim
-        tl.store(out1_ptrs, out1.to(out_ty), mask=mask, cache_modifier=cfg.STORE_CACHE)
-        tl.store(out1_ptrs + inputs.half * out_dim, out2.to(out_ty), mask=mask,
-                 cache_modifier=cfg.STORE_CACHE)
+        tl.store(out1_ptrs, out1.to(out_ty), mask=mask)
+        tl.store(out1_ptrs + inputs.half * out_dim, out2.to(out_ty), mask=mask)
     if cfg.BLOCK_PASS > 0:
         tl.store(out_base + inputs.offs_p[None, None, :] * out_dim, x_pass.to(out_ty),
-                 mask=mask_p, cache_modifier=cfg.STORE_CACHE)
+                 mask=mask_p)
     return dw1, dw2, dw_pass
 
 
@@ -767,32 +762,20 @@ def _pair_channels(rotary_dim, half, cfg: tl.constexpr):
 
 @triton.jit
 def _load_pairs(base, dim_stride, offs, half, mask, compute_dtype: tl.constexpr,
-                cfg: tl.constexpr, STREAM: tl.constexpr = False):
+                cfg: tl.constexpr):
     """(x1, x2): the two members of each rotated pair of the rows at `base` [A, B, 1], as
     [A, B, BLOCK_HALF] in compute_dtype; `offs` their channels (`_rope_tile`)."""
     if cfg.INTERLEAVED:
         A: tl.constexpr = base.shape[0]
         B: tl.constexpr = base.shape[1]
         BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-        xs = _tile_load(base + offs[None, None, :] * dim_stride, mask, 0.0, cfg, STREAM)
+        xs = tl.load(base + offs[None, None, :] * dim_stride, mask=mask, other=0.0)
         x1, x2 = tl.split(tl.reshape(xs.to(compute_dtype), [A, B, BLOCK_HALF, 2]))
     else:
         x1_ptrs = base + offs[None, None, :] * dim_stride
-        x1 = _tile_load(x1_ptrs, mask, 0.0, cfg, STREAM).to(compute_dtype)
-        x2 = _tile_load(x1_ptrs + half * dim_stride, mask, 0.0, cfg, STREAM).to(compute_dtype)
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(compute_dtype)
+        x2 = tl.load(x1_ptrs + half * dim_stride, mask=mask, other=0.0).to(compute_dtype)
     return x1, x2
-
-
-@triton.jit
-def _tile_load(ptrs, mask, other, cfg: tl.constexpr, STREAM: tl.constexpr):
-    """tl.load, with cfg's cache modifier and eviction policy where STREAM (the tile's own data,
-    read once)."""
-    if STREAM:
-        x = tl.load(ptrs, mask=mask, other=other, cache_modifier=cfg.LOAD_CACHE,
-                    eviction_policy=cfg.LOAD_EVICT)
-    else:
-        x = tl.load(ptrs, mask=mask, other=other)
-    return x
 
 
 @triton.jit

@@ -207,11 +207,6 @@ QK_NORM_POSITIONS_PASS = True
 # (artifacts/qknorm/olmo2_ncu_h200.txt); capped at 80 for a third program, it ran 1.79 -> 2.48
 # copies of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
-# How a tile's own data (read once, written once) meets the caches: tl.load's cache_modifier and
-# eviction_policy, tl.store's cache_modifier ("": the default).
-TILE_LOAD_CACHE = ""
-TILE_LOAD_EVICT = ""
-TILE_STORE_CACHE = ""
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
@@ -245,9 +240,6 @@ class LaunchRule(NamedTuple):
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
     norm_pair_exact_max_heads: int
-    tile_load_cache: str
-    tile_load_evict: str
-    tile_store_cache: str
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
@@ -257,8 +249,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       QKV_NORM_BACKWARD_MAX_REGISTERS,
-                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
-                      TILE_LOAD_CACHE, TILE_LOAD_EVICT, TILE_STORE_CACHE)
+                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
@@ -266,8 +257,7 @@ INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
                               QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
-                              NORM_PAIR_EXACT_MAX_HEADS, TILE_LOAD_CACHE, TILE_LOAD_EVICT,
-                              TILE_STORE_CACHE)
+                              NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
 
 
@@ -1241,9 +1231,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                      and _norm_after_angles(source, tile, norm, searches,
                                                             few_head_pairs)),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
-                                                   norm_backward, searches),
-                  LOAD_CACHE=rule.tile_load_cache, LOAD_EVICT=rule.tile_load_evict,
-                  STORE_CACHE=rule.tile_store_cache)
+                                                   norm_backward, searches))
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
                          cfg, num_warps)
