@@ -57,11 +57,6 @@ RULES = {
     "bwd_4_stages": G._replace(norm_pipeline_stages=4),
     "bwd_5_stages": G._replace(norm_pipeline_stages=5),
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
-    "fwd_token_112_registers": G._replace(norm_token_forward_max_registers=112),
-    "fwd_token_104_registers": G._replace(norm_token_forward_max_registers=104),
-    "fwd_token_96_registers": G._replace(norm_token_forward_max_registers=96),
-    "fwd_token_88_registers": G._replace(norm_token_forward_max_registers=88),
-    "fwd_token_80_registers": G._replace(norm_token_forward_max_registers=80),
 }
 ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
               "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
@@ -70,10 +65,6 @@ EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_5
 FORWARD_EXACT_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
 QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
-# A norm over the token (OLMo 2) only: its forward's register cap (the `token_` lines: the
-# forward lines again).
-TOKEN_FORWARD_RULES = ("rule", "fwd_token_112_registers", "fwd_token_104_registers",
-                       "fwd_token_96_registers", "fwd_token_88_registers", "fwd_token_80_registers")
 
 
 def build(p, dev="cuda"):
@@ -119,8 +110,6 @@ def lines(P):
             *rope(S.gq, P.module, backward=True, norm=P.nq, norm_input=S.q, **kw),
             *rope(S.gk, P.module, backward=True, norm=P.nk, norm_input=S.k, **kw)),
     }
-    out["token_fwd"], out["token_fwd_exact"] = out["norm_fwd"], out["norm_fwd_exact"]
-    out["token_qk_fwd_exact"] = out["qk_norm_fwd_exact"]
     if P.split:
         qkv = L.set_rotary_qkv_kernel
         out["qkv_rope_fwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd")
@@ -181,9 +170,7 @@ def main():
                              (("norm_bwd_exact",), EXACT_RULES),
                              (("norm_fwd_exact", "qk_norm_fwd_exact"), FORWARD_EXACT_RULES),
                              (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES),
-                             (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES),
-                             (("token_fwd", "token_fwd_exact", "token_qk_fwd_exact")
-                              if p["over"] == "token" else (), TOKEN_FORWARD_RULES)):
+                             (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES)):
             for name in names:
                 if only and name not in only:
                     continue

@@ -207,9 +207,6 @@ QK_NORM_POSITIONS_PASS = True
 # (artifacts/qknorm/olmo2_ncu_h200.txt); capped at 80 for a third program, it ran 1.79 -> 2.48
 # copies of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
-# The forward of a norm over the token (OLMo 2) holds the whole token: registers a thread, 0
-# for no cap.
-NORM_TOKEN_FORWARD_MAX_REGISTERS = 0
 # The interpreter runs each program in Python: fewer, larger programs run much faster there.
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
@@ -243,7 +240,6 @@ class LaunchRule(NamedTuple):
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
     norm_pair_exact_max_heads: int
-    norm_token_forward_max_registers: int
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
@@ -253,8 +249,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       QKV_NORM_BACKWARD_MAX_REGISTERS,
-                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
-                      NORM_TOKEN_FORWARD_MAX_REGISTERS)
+                      NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
                               NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
@@ -262,7 +257,7 @@ INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
                               QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
-                              NORM_PAIR_EXACT_MAX_HEADS, 0)
+                              NORM_PAIR_EXACT_MAX_HEADS)
 _RULE_OVERRIDE = [None]
 
 
@@ -1238,10 +1233,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
                                                    norm_backward, searches))
     if k is None:
-        token_forward = norm is not None and norm.over == "token" and not backward
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
-                         cfg, num_warps,
-                         rule.norm_token_forward_max_registers if token_forward else 0)
+                         cfg, num_warps)
         kernel_shape = (shape.nheads, shape.head_dim, shape.rotary_dim)          # HeadShape
     else:
         launch = _Launch(rotary_qk_kernel, _QK_GROUPS, grid, (cfg, None), num_warps)
