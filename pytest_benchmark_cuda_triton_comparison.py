@@ -2225,6 +2225,47 @@ def test_qk_norm_thd_forward_reads_positions_from_one_pre_pass(monkeypatch):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_qk_norm_key_launch_starts_while_the_query_launch_ends(monkeypatch):
+    """q and k with norms in two launches (equal tiles: a norm over the token, as OLMo 2's),
+    with rule.qk_norm_overlap: the query's launch lets the next one start once all its
+    programs have begun (Variant.LAUNCH_DEPENDENTS), and the key's is a programmatic dependent
+    launch (Triton's launch_pdl) whose programs end after the query's (WAITS_FOR_PREVIOUS),
+    forward and backward; without it, plain launches. The outputs and gradients are the same
+    bits either way. A GPU before compute capability 9.0 takes plain launches."""
+    L = triton_rotary_launch
+    torch.manual_seed(76)
+    q, k = torch.randn(2, 9, 4, 32, device=DEVICE), torch.randn(2, 9, 4, 32, device=DEVICE)
+    wq, wk = 1 + 0.2 * torch.randn(128, device=DEVICE), 1 + 0.2 * torch.randn(128, device=DEVICE)
+    grads = torch.randn_like(q), torch.randn_like(k)
+    module = RotaryPositionEmbedding(32, device=DEVICE)
+    launched = []
+    real_call = L._Launch.__call__
+
+    def recording(launch, *args):
+        if launch.kernel.fn.__name__ == "rotary_kernel":
+            cfg = launch.constexprs[0]
+            launched.append((cfg.LAUNCH_DEPENDENTS, cfg.WAITS_FOR_PREVIOUS,
+                             launch.options.get("launch_pdl", False)))
+        real_call(launch, *args)
+    monkeypatch.setattr(L._Launch, "__call__", recording)
+    early = not ON_GPU or torch.cuda.get_device_capability()[0] >= 9
+    results = {}
+    for overlap in (True, False):
+        L._PLANS.clear()
+        launched.clear()
+        with L.use_launch_rule(L.launch_rule()._replace(qk_norm_overlap=overlap)):
+            x = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+            outs = apply_rotary_pos_emb_qk(x[0], x[1], module, "bshd", q_norm_weight=x[2],
+                                           k_norm_weight=x[3], norm_over="token")
+            results[overlap] = (*outs, *torch.autograd.grad(outs, x, grads))
+        # forward: q's launch, then k's; backward the same
+        plain = [(False, False, False)] * 2
+        expected = [(True, False, False), (False, True, True)] if overlap and early else plain
+        assert launched == expected * 2, launched
+    for got, plain in zip(results[True], results[False]):
+        torch.testing.assert_close(got, plain, rtol=0, atol=0)
+
+
 def test_qk_norm_forward_takes_pair_tiles_where_the_rule_says(monkeypatch):
     """The forward of q and k with per-head norms takes pair tiles (one rotary_qk_kernel launch
     whose programs hold a query tile and the key heads of its tokens) where a query of several
@@ -3251,6 +3292,8 @@ def _planned_calls():
     split = [4 * d, d, d]
     packed = torch.randn(s, b, 8, sum(split), generator=gen).to(DEVICE, bf16)
     qk_norm = dict(q_norm_weight=head["norm_weight"], k_norm_weight=head["norm_weight"])
+    qk_token_norm = dict(q_norm_weight=token["norm_weight"], k_norm_weight=token["norm_weight"],
+                         norm_over="token")
     calls = []
     interleaved = {id(table): table, id(exact): RotaryPositionEmbedding(d, interleaved=True, device=DEVICE)}
     for freqs in (table, exact):
@@ -3269,7 +3312,8 @@ def _planned_calls():
                   lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens),
                   lambda f=freqs: qk(t[:, :, :4], t[:, :, :1], f, **qk_norm),
                   lambda f=freqs: qk(t[:, :, :2], t[:, :, :1], f, **qk_norm),
-                  lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens, **qk_norm)]
+                  lambda f=freqs: qk(t_thd, t_thd[:, :8], f, "thd", cu_seqlens=cu_seqlens, **qk_norm),
+                  lambda f=freqs: qk(t, t, f, **qk_token_norm)]
     calls += [lambda: rope(t, half), lambda: rope(t, half, **head),
               lambda: rope(t, exact, positions=torch.arange(s, device=DEVICE)),
               lambda: rope(t, mrope, positions=axis_positions),
@@ -3325,10 +3369,17 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     assert ("sequence_positions_kernel", None, None, False) in kinds, sorted(kinds)
     # The fused QKV's pipelined norm backward alone caps its registers
     # (QKV_NORM_BACKWARD_MAX_REGISTERS), and its records carry the cap to the compiler.
-    capped = {kind for kind, entry in records.values() if entry["options"]}
+    capped = {kind for kind, entry in records.values() if "maxnreg" in entry["options"]}
     assert capped == {("rotary_qkv_kernel", 1, True, True)}, capped
-    assert all(entry["options"] == {"maxnreg": triton_rotary_launch.QKV_NORM_BACKWARD_MAX_REGISTERS}
-               for _, entry in records.values() if entry["options"])
+    assert all(entry["options"]["maxnreg"] == triton_rotary_launch.QKV_NORM_BACKWARD_MAX_REGISTERS
+               for _, entry in records.values() if "maxnreg" in entry["options"])
+    # q and k of equal tiles with norms over the token (QK_NORM_OVERLAP): the key's launches,
+    # forward and backward, table and exact angles, are programmatic dependent launches.
+    waits = triton_rotary_kernel.Variant._fields.index("WAITS_FOR_PREVIOUS")
+    early = [entry for _, entry in records.values() if entry["options"].get("launch_pdl")]
+    assert len(early) == 4 and all(e["constexprs"][0]["fields"][waits] for e in early), early
+    assert {frozenset(e["options"]) for _, e in records.values()} == {
+        frozenset(), frozenset({"maxnreg"}), frozenset({"launch_pdl"})}
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([entry for _, entry in records.values()]))
     results = _run_probe("--launches", str(path))

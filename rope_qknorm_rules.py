@@ -9,7 +9,7 @@ triton_rotary_launch.py (NORM_WARPS and the ones after it).
 For the attention inputs of rope_qknorm_bench.py at 16K tokens (bf16), times the launcher's
 calls for q and k (fused QKV: one call) with and without the norm, forward and backward (with
 TE's table; the `_exact` lines with the module's exact angles, the path the backward's
-pipelining serves; `qk_norm_fwd_exact` as one call for q and k), under each rule in RULES,
+pipelining serves; the `qk_` lines as one call for q and k), under each rule in RULES,
 in units of one device copy of q and k. Each line is one CUDA graph over rotating buffer sets
 larger than L2, replayed REPLAYS times per round, lines interleaved round-robin over ROUNDS
 rounds, median reported. Before timing, each variant's result is compared with the first
@@ -57,6 +57,7 @@ RULES = {
     "bwd_4_stages": G._replace(norm_pipeline_stages=4),
     "bwd_5_stages": G._replace(norm_pipeline_stages=5),
     "qkv_bwd_32_elements": G._replace(norm_backward_thread_elements=32),
+    "no_overlap": G._replace(qk_norm_overlap=False),
 }
 ROPE_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps", "bwd_table_4_rows",
               "bwd_table_16_rows", "bwd_8_elements", "bwd_32_warps_per_sm")
@@ -65,6 +66,8 @@ EXACT_RULES = ("rule", "bwd_unpipelined", "bwd_2_stages", "bwd_4_stages", "bwd_5
 FORWARD_EXACT_RULES = ("rule", "fwd_4_warps", "fwd_one_head_2_warps")
 QKV_RULES = ("rule", "fwd_4_warps", "qkv_bwd_32_elements")
 QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
+# q and k with norms in one call (set_rotary_qk_kernel): the key's launch started early or not.
+QK_RULES = ("rule", "no_overlap")
 
 
 def build(p, dev="cuda"):
@@ -110,6 +113,13 @@ def lines(P):
             *rope(S.gq, P.module, backward=True, norm=P.nq, norm_input=S.q, **kw),
             *rope(S.gk, P.module, backward=True, norm=P.nk, norm_input=S.k, **kw)),
     }
+    qk = L.set_rotary_qk_kernel
+    out["qk_norm_fwd"] = lambda S: qk(S.q, S.k, f, q_norm=P.nq, k_norm=P.nk, **kw)
+    out["qk_norm_bwd"] = lambda S: qk(S.gq, S.gk, f, backward=True, q_norm=P.nq, k_norm=P.nk,
+                                      q_input=S.q, k_input=S.k, **kw)
+    out["qk_norm_bwd_exact"] = lambda S: qk(S.gq, S.gk, P.module, backward=True, q_norm=P.nq,
+                                            k_norm=P.nk, q_input=S.q, k_input=S.k, **kw)
+    out["qk_norm_fwd_exact_overlap"] = out["qk_norm_fwd_exact"]     # again, under QK_RULES
     if P.split:
         qkv = L.set_rotary_qkv_kernel
         out["qkv_rope_fwd"] = lambda S: qkv(S.qkv, f, f, P.split, "bshd")
@@ -170,7 +180,9 @@ def main():
                              (("norm_bwd_exact",), EXACT_RULES),
                              (("norm_fwd_exact", "qk_norm_fwd_exact"), FORWARD_EXACT_RULES),
                              (("qkv_norm_fwd", "qkv_norm_bwd") if P.split else (), QKV_RULES),
-                             (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES)):
+                             (("qkv_norm_bwd_exact",) if P.split else (), QKV_EXACT_RULES),
+                             (("qk_norm_fwd", "qk_norm_bwd", "qk_norm_bwd_exact",
+                               "qk_norm_fwd_exact_overlap"), QK_RULES)):
             for name in names:
                 if only and name not in only:
                     continue

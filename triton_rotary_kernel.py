@@ -66,6 +66,7 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # TRITON_INTERPRET must be set before this module is imported (Triton itself reads it at
 # import too).
@@ -79,6 +80,10 @@ SEQUENCE_POSITIONS = tl.constexpr(3)     # thd: implicit positions that sequence
                                          # stored, OUTSIDE_SEQUENCES for tokens in none
 # Far outside what any position rotates by (a table's rows, the exact angles' |position| < 2^24).
 OUTSIDE_SEQUENCES = tl.constexpr(-(2**62))
+
+# Programmatic dependent launch (Hopper's grid dependency control, PTX griddepcontrol) runs on the
+# GPU only: the interpreter runs no inline PTX, and its launches are sequential anyway.
+_GRID_DEPENDENCY_CONTROL = tl.constexpr(not _INTERPRETING)
 
 # Which RMSNorm comes before the rotation (Variant.NORM).
 NO_NORM = tl.constexpr(0)
@@ -194,6 +199,9 @@ class Variant(NamedTuple):
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
     PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
     NORM_AFTER_ANGLES: bool = False  # norm forward: normalize after the angles are worked out
+    LAUNCH_DEPENDENTS: bool = False  # the next launch may start once every program has begun
+    WAITS_FOR_PREVIOUS: bool = False  # launched early (PDL): its programs end after the launch
+    #                                   before it (launcher: _overlapped)
 
 
 class TileInputs(NamedTuple):
@@ -227,6 +235,8 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
     the positions `positions` (Positions) gives, `shape` a HeadShape, `norm` a Norm (or None),
     `cfg` a Variant. A program rotates a tile of BLOCK_T tokens x BLOCK_H heads; the backward
     of a norm, every token_programs-th tile from its own on (`_norm_backward_tiles`)."""
+    if cfg.LAUNCH_DEPENDENTS and _GRID_DEPENDENCY_CONTROL:
+        gdc_launch_dependents()
     x, out = _typed_view(x), _typed_view(out)
     if cfg.NORM != NO_NORM and cfg.BACKWARD:
         norm = _typed_norm(norm)
@@ -235,6 +245,10 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
     _tensor_program(tok_block, head_block, head_programs, _token_programs(head_programs, cfg), x,
                     out, angles, positions, shape, norm,
                     Tokens(num_tokens, seq_len, batch, cp_size, cp_rank), cfg)
+    if cfg.WAITS_FOR_PREVIOUS and _GRID_DEPENDENCY_CONTROL:
+        # It reads nothing the launch before it writes: it waits only to end after it, so that
+        # what the stream runs next finds both done.
+        gdc_wait()
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
