@@ -207,8 +207,8 @@ QK_NORM_POSITIONS_PASS = True
 # (artifacts/qknorm/olmo2_ncu_h200.txt); capped at 80 for a third program, it ran 1.79 -> 2.48
 # copies of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
-# q and k with norms in two launches (where `_joins` keeps them apart, as at OLMo 2's norm over
-# the token, and in most backwards): the key's launch starts while the query's last programs
+# q and k with norms in two launches (where `_joins` keeps them apart: equal tiles, as OLMo 2's
+# norm over the token takes both ways): the key's launch starts while the query's last programs
 # run (programmatic dependent launch, compute capability 9.0 and later; `_overlapped`), instead
 # of after the query's last wave drains. Kernels alone, bf16, 16K tokens, in copies of q and k,
 # H100 / H200 (rope_qknorm_rules.py's qk_ lines, artifacts/qknorm/qk_overlap_ab_*): OLMo 2
