@@ -3373,11 +3373,14 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     assert capped == {("rotary_qkv_kernel", 1, True, True)}, capped
     assert all(entry["options"]["maxnreg"] == triton_rotary_launch.QKV_NORM_BACKWARD_MAX_REGISTERS
                for _, entry in records.values() if "maxnreg" in entry["options"])
-    # q and k of equal tiles with norms over the token (QK_NORM_OVERLAP): the key's launches,
-    # forward and backward, table and exact angles, are programmatic dependent launches.
-    waits = triton_rotary_kernel.Variant._fields.index("WAITS_FOR_PREVIOUS")
+    # q and k of equal tiles with norms over the token (QK_NORM_OVERLAP): the key's launches
+    # are programmatic dependent launches, and exactly those wait for the launch before them.
+    def flag(entry, name):
+        cfg = entry["constexprs"][0]
+        return cfg["group"] == "Variant" and cfg["fields"][Variant._fields.index(name)]
     early = [entry for _, entry in records.values() if entry["options"].get("launch_pdl")]
-    assert len(early) == 4 and all(e["constexprs"][0]["fields"][waits] for e in early), early
+    assert early and early == [e for _, e in records.values() if flag(e, "WAITS_FOR_PREVIOUS")]
+    assert any(flag(e, "LAUNCH_DEPENDENTS") for _, e in records.values())
     assert {frozenset(e["options"]) for _, e in records.values()} == {
         frozenset(), frozenset({"maxnreg"}), frozenset({"launch_pdl"})}
     path = tmp_path / "launches.json"
