@@ -1,19 +1,28 @@
 """TP 8 at 64K tokens (Qwen3-8B: q 4 heads, k 1 head, d 128, bf16): the forward of q and k with
 per-head norms in one call (set_rotary_qk_kernel), kernels alone, under launch-rule variants of
 its tiles (the positions tile's bytes and warps, pair tiles or not); each line one CUDA graph over
-rotating sets larger than L2, lines interleaved over 9 rounds of 10 replays, median, in copies of
-q and k. Prints each variant's largest difference from the rule's result, then the table.
+rotating sets larger than L2 (rope_qknorm_rules.py's timing), lines interleaved over 9 rounds of
+10 replays, median, in copies of q and k. Prints each variant's largest difference from the
+rule's result, then the table.
 
     python artifacts/qknorm/tp8_64k_tiles_ab.py      # on a GPU, from the repository root
 """
-import math, os, statistics, sys
-sys.path.insert(0, os.getcwd())
-import torch, triton
-import triton_rotary_launch as L
-from rope_qknorm_rules import graphed_over, flat
-from triton_rotary_main import RotaryPositionEmbedding
+import math
+import os
+import statistics
+import sys
 from types import SimpleNamespace
-T, HQ, HK, D = 65536, 4, 1, 128
+
+sys.path.insert(0, os.getcwd())
+import torch
+import triton
+
+import triton_rotary_launch as L
+from rope_qknorm_rules import flat, graphed_over
+from triton_rotary_main import RotaryPositionEmbedding
+
+TOKENS, HQ, HK, D = 65536, 4, 1, 128
+ROUNDS, REPLAYS = 9, 10
 G = L.GPU_RULE
 RULES = {"rule": G,
          "pos_tile_4k": G._replace(norm_positions_tile_bytes=4096),
@@ -22,42 +31,53 @@ RULES = {"rule": G,
          "pos_tile_4k_2w": G._replace(norm_positions_tile_bytes=4096, norm_positions_warps=2),
          "no_pair_tiles": G._replace(norm_pair_key_heads=0),
          "no_pair_no_overlap": G._replace(norm_pair_key_heads=0, qk_norm_overlap=False)}
-dev, bf16 = "cuda", torch.bfloat16
-torch.manual_seed(0)
-module = RotaryPositionEmbedding(D, rotary_base=1e6, device=dev)
-table = module(T)
-nq, nk = (L.RMSNorm((1.0 + 0.1 * torch.randn(D, device=dev)).to(bf16), 1e-6, 0.0, "head") for _ in range(2))
-sets = []
-for _ in range(max(4, math.ceil((256 << 20) / (2 * T * (HQ + HK) * D)))):
-    S = SimpleNamespace(q=torch.randn(1, T, HQ, D, device=dev, dtype=bf16), k=torch.randn(1, T, HK, D, device=dev, dtype=bf16))
-    S.qd, S.kd = torch.empty_like(S.q), torch.empty_like(S.k)
-    sets.append(S)
-qk = L.set_rotary_qk_kernel
-steps = {"exact": lambda S: qk(S.q, S.k, module, "bshd", q_norm=nq, k_norm=nk),
-         "table": lambda S: qk(S.q, S.k, table, "bshd", q_norm=nq, k_norm=nk)}
-graphs = {("copy", "-"): graphed_over(lambda S: (S.qd.copy_(S.q), S.kd.copy_(S.k)), sets)}
-print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-for name, step in steps.items():
-    first = None
-    for rn, rule in RULES.items():
-        L._PLANS.clear()
-        with L.use_launch_rule(rule):
-            res = flat(step(sets[0]))
-            graphs[(name, rn)] = graphed_over(step, sets)
-        if first is None:
-            first = res
-        else:
-            print(f"  {name} {rn}: max diff {((res - first).abs().max() / first.abs().max()).item():.1e}", flush=True)
-times = {k: [] for k in graphs}
-a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-for _ in range(9):
-    for k, g in graphs.items():
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record(); b.synchronize()
-        times[k].append(a.elapsed_time(b) * 1e3 / (10 * len(sets)))
-med = {k: statistics.median(v) for k, v in times.items()}
-c = med[("copy", "-")]
-for k, t in sorted(med.items(), key=lambda kv: (kv[0][0], kv[1])):
-    print(f"  {k[0]:6s} {k[1]:20s} {t / c:6.3f} copies {t:7.1f} us", flush=True)
+
+
+def main():
+    dev, bf16 = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    module = RotaryPositionEmbedding(D, rotary_base=1e6, device=dev)
+    table = module(TOKENS)
+    nq, nk = (L.RMSNorm((1.0 + 0.1 * torch.randn(D, device=dev)).to(bf16), 1e-6, 0.0, "head")
+              for _ in range(2))
+    sets = []
+    for _ in range(max(4, math.ceil((256 << 20) / (2 * TOKENS * (HQ + HK) * D)))):
+        S = SimpleNamespace(q=torch.randn(1, TOKENS, HQ, D, device=dev, dtype=bf16),
+                            k=torch.randn(1, TOKENS, HK, D, device=dev, dtype=bf16))
+        S.qd, S.kd = torch.empty_like(S.q), torch.empty_like(S.k)
+        sets.append(S)
+    qk = L.set_rotary_qk_kernel
+    steps = {"exact": lambda S: qk(S.q, S.k, module, "bshd", q_norm=nq, k_norm=nk),
+             "table": lambda S: qk(S.q, S.k, table, "bshd", q_norm=nq, k_norm=nk)}
+    graphs = {("copy", "-"): graphed_over(lambda S: (S.qd.copy_(S.q), S.kd.copy_(S.k)), sets)}
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    for name, step in steps.items():
+        first = None
+        for rule_name, rule in RULES.items():
+            L._PLANS.clear()
+            with L.use_launch_rule(rule):
+                result = flat(step(sets[0]))
+                graphs[(name, rule_name)] = graphed_over(step, sets)
+            if first is None:
+                first = result
+            else:
+                diff = ((result - first).abs().max() / first.abs().max()).item()
+                print(f"  {name} {rule_name}: max diff {diff:.1e}", flush=True)
+    times = {key: [] for key in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(ROUNDS):
+        for key, graph in graphs.items():
+            start.record()
+            for _ in range(REPLAYS):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) * 1e3 / (REPLAYS * len(sets)))
+    median = {key: statistics.median(v) for key, v in times.items()}
+    copy_us = median[("copy", "-")]
+    for (name, rule_name), us in sorted(median.items(), key=lambda kv: (kv[0][0], kv[1])):
+        print(f"  {name:6s} {rule_name:20s} {us / copy_us:6.3f} copies {us:7.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
