@@ -749,17 +749,26 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _launches_early(device_index: int) -> bool:
-    """Whether the GPU takes programmatic dependent launch (compute capability 9.0 or later;
-    Triton emits its PTX griddepcontrol for those only)."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _compute_capability(device_index: int) -> tuple:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _sm_count(device: torch.device) -> int:
     """SMs of the device's GPU; the interpreter counts as one."""
     if _interpreting():
         return 1
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _num_sms(_device_index(device))
+
+
+def _launches_early(device: torch.device) -> bool:
+    """Whether the device's GPU takes programmatic dependent launch (compute capability 9.0 or
+    later; Triton emits its PTX griddepcontrol for those only); the interpreter plans such
+    launches too (the kernels leave the PTX out there)."""
+    return _interpreting() or _compute_capability(_device_index(device))[0] >= 9
 
 
 def launch_config(shape: RopeShape, device: torch.device, copy_pass: bool, element_size: int,
@@ -1604,8 +1613,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
         pair = plan(q, q_norm, None, "q", k=k)       # q's forward tile with k's heads joined
         return _QKNormPlan(pair.launch, q_plan, k_plan, pair.shape, pair.positions_pass)
     if not _joins(q_plan.launch, k_plan.launch):
-        if launch_rule().qk_norm_overlap and (_interpreting() or _launches_early(
-                q.device.index if q.device.index is not None else torch.cuda.current_device())):
+        if launch_rule().qk_norm_overlap and _launches_early(q.device):
             q_plan, k_plan = _overlapped(q_plan, k_plan)
         return _QKNormPlan(None, q_plan, k_plan, positions_pass=q_plan.positions_pass,
                            weight_gradients=_qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
