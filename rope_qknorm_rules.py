@@ -136,6 +136,18 @@ def graphed_over(step, sets):
     return graphed(lambda: [step(S) for S in sets])
 
 
+def graphed_under_rules(step, rules, sets):
+    """`step` captured over `sets` under each rule (name -> LaunchRule), each with plans made
+    afresh under it: ({name: graph}, {name: the flat result of step(sets[0]) under it})."""
+    graphs, results = {}, {}
+    for rule_name, rule in rules.items():
+        L._PLANS.clear()
+        with L.use_launch_rule(rule):
+            results[rule_name] = flat(step(sets[0]))
+            graphs[rule_name] = graphed_over(step, sets)
+    return graphs, results
+
+
 def time_graphs(graphs, nsets):
     """Median µs per step of each graph, interleaved round-robin."""
     times = {k: [] for k in graphs}
@@ -186,18 +198,14 @@ def main():
             for name in names:
                 if only and name not in only:
                     continue
-                first = None
-                for rule_name in rules:
-                    L._PLANS.clear()
-                    with L.use_launch_rule(RULES[rule_name]):
-                        result = flat(steps[name](P.sets[0]))
-                        graphs[(name, rule_name)] = graphed_over(steps[name], P.sets)
-                    if first is None:
-                        first = result
-                    else:
-                        rel = ((result - first).abs().max() / first.abs().max()).item()
-                        say(f"  {p['model']} {name} {rule_name}: max difference from 'rule' "
-                            f"{rel:.1e} of the largest value")
+                by_rule, results = graphed_under_rules(steps[name],
+                                                       {r: RULES[r] for r in rules}, P.sets)
+                graphs.update({(name, rule_name): g for rule_name, g in by_rule.items()})
+                first = results[rules[0]]
+                for rule_name in rules[1:]:
+                    rel = ((results[rule_name] - first).abs().max() / first.abs().max()).item()
+                    say(f"  {p['model']} {name} {rule_name}: max difference from 'rule' "
+                        f"{rel:.1e} of the largest value")
         us = time_graphs(graphs, len(P.sets))
         copy_us = us[("copy", "-")]
         say(f"\n{p['model']}: q {p['hq']} heads + k {p['hk']} heads, d {p['d']}, norm over "

@@ -25,7 +25,7 @@ import triton
 
 import triton_rotary_launch as L
 from rope_qknorm_bench import packed_cu_seqlens
-from rope_qknorm_rules import flat, graphed_over, time_graphs
+from rope_qknorm_rules import graphed_over, graphed_under_rules, time_graphs
 from triton_rotary_main import RotaryPositionEmbedding
 
 TOKENS, HQ, HK, D, EPS = 16384, 32, 8, 128, 1e-6
@@ -67,17 +67,12 @@ def main():
     for name, step in steps.items():
         if name == "copy":
             continue
-        first = None
-        for rule_name, rule in RULES.items():
-            L._PLANS.clear()
-            with L.use_launch_rule(rule):
-                result = flat(step(sets[0]))
-                graphs[(name, rule_name)] = graphed_over(step, sets)
-            if first is None:
-                first = result
-            else:
-                log.append(f"  {name} {rule_name}: bit-identical to {next(iter(RULES))}: "
-                           f"{torch.equal(result, first)}")
+        by_rule, results = graphed_under_rules(step, RULES, sets)
+        graphs.update({(name, rule_name): g for rule_name, g in by_rule.items()})
+        first_rule, *others = RULES
+        for rule_name in others:
+            log.append(f"  {name} {rule_name}: bit-identical to {first_rule}: "
+                       f"{torch.equal(results[rule_name], results[first_rule])}")
     us = time_graphs(graphs, len(sets))
     copy_us = us[("copy", "-")]
     log.append(f"copy of q and k {copy_us:.1f} us")

@@ -1,15 +1,14 @@
 """TP 8 at 64K tokens (Qwen3-8B: q 4 heads, k 1 head, d 128, bf16): the forward of q and k with
 per-head norms in one call (set_rotary_qk_kernel), kernels alone, under launch-rule variants of
 its tiles (the positions tile's bytes and warps, pair tiles or not); each line one CUDA graph over
-rotating sets larger than L2 (rope_qknorm_rules.py's timing), lines interleaved over 9 rounds of
-10 replays, median, in copies of q and k. Prints each variant's largest difference from the
+rotating sets larger than L2, lines interleaved, median (rope_qknorm_rules.py's timing: 7 rounds
+of 10 replays), in copies of q and k. Prints each variant's largest difference from the
 rule's result, then the table.
 
     python artifacts/qknorm/tp8_64k_tiles_ab.py      # on a GPU, from the repository root
 """
 import math
 import os
-import statistics
 import sys
 from types import SimpleNamespace
 
@@ -18,11 +17,10 @@ import torch
 import triton
 
 import triton_rotary_launch as L
-from rope_qknorm_rules import flat, graphed_over
+from rope_qknorm_rules import graphed_over, graphed_under_rules, time_graphs
 from triton_rotary_main import RotaryPositionEmbedding
 
 TOKENS, HQ, HK, D = 65536, 4, 1, 128
-ROUNDS, REPLAYS = 9, 10
 G = L.GPU_RULE
 RULES = {"rule": G,
          "pos_tile_4k": G._replace(norm_positions_tile_bytes=4096),
@@ -52,28 +50,14 @@ def main():
     graphs = {("copy", "-"): graphed_over(lambda S: (S.qd.copy_(S.q), S.kd.copy_(S.k)), sets)}
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for name, step in steps.items():
-        first = None
-        for rule_name, rule in RULES.items():
-            L._PLANS.clear()
-            with L.use_launch_rule(rule):
-                result = flat(step(sets[0]))
-                graphs[(name, rule_name)] = graphed_over(step, sets)
-            if first is None:
-                first = result
-            else:
+        by_rule, results = graphed_under_rules(step, RULES, sets)
+        graphs.update({(name, rule_name): g for rule_name, g in by_rule.items()})
+        first = results["rule"]
+        for rule_name, result in results.items():
+            if rule_name != "rule":
                 diff = ((result - first).abs().max() / first.abs().max()).item()
                 print(f"  {name} {rule_name}: max diff {diff:.1e}", flush=True)
-    times = {key: [] for key in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for key, graph in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end) * 1e3 / (REPLAYS * len(sets)))
-    median = {key: statistics.median(v) for key, v in times.items()}
+    median = time_graphs(graphs, len(sets))
     copy_us = median[("copy", "-")]
     for (name, rule_name), us in sorted(median.items(), key=lambda kv: (kv[0][0], kv[1])):
         print(f"  {name:6s} {rule_name:20s} {us / copy_us:6.3f} copies {us:7.1f} us", flush=True)
