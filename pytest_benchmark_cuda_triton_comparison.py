@@ -3506,7 +3506,8 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     rule.norm_backward_rows rows (angles from a table: rule.norm_table_backward_rows), the
     fused QKV's query tiles too, in as many warps as give each thread
     rule.norm_backward_thread_elements elements, and rule.norm_backward_warps_per_sm warps per
-    SM along the tokens. A call without a norm keeps rule.num_warps. Only the plans are read:
+    SM along the tokens. A call without a norm keeps rule.num_warps (rule.table_warps from a
+    table: test_table_tiles_of_several_heads_take_the_table_warps). Only the plans are read:
     the launches are left out (the tiles' results are tested with the norms' other tests)."""
     L = triton_rotary_launch
     monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
@@ -3520,7 +3521,8 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     weight = torch.randn(16, device=DEVICE, requires_grad=True)
     # A row is 16 float32 channels, 64 bytes: 256 bytes hold 4 rows, 512 hold 8; 16 rows hold
     # 256 elements, 2 warps of 4 each; 8 warps per SM are 4 programs of 2 warps.
-    rule = L.launch_rule()._replace(tile_bytes=256, qkv_tile_bytes=256, num_warps=4, norm_warps=1,
+    rule = L.launch_rule()._replace(tile_bytes=256, qkv_tile_bytes=256, num_warps=4, table_warps=2,
+                                    table_warps_min_heads=4, norm_warps=1,
                                     norm_one_head_warps=8, norm_positions_tile_bytes=512,
                                     norm_positions_warps=2, norm_positions_max_heads=4,
                                     norm_backward_rows=16,
@@ -3559,7 +3561,7 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
         ("4 heads", "plain", "forward"): (4, 1, 4, 128),
         ("table", "norm", "forward"): (1, 1, 4, 128),
         ("table", "norm", "backward"): (1, 2, 4, min(64, 8 * sms)),
-        ("table", "plain", "forward"): (4, 1, 4, 128),
+        ("table", "plain", "forward"): (2, 1, 4, 128),      # rule.table_warps
         ("1 head", "norm", "forward"): (8, 4, 1, 32),
         ("1 head", "norm", "backward"): (2, 16, 1, min(8, 4 * sms)),
         ("1 head", "plain", "forward"): (4, 4, 1, 32),
@@ -3575,6 +3577,49 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
         ("qkv", "backward"): (2, 4, 4),
         ("qkv table", "forward"): (1, 1, 4),
         ("qkv table", "backward"): (1, 2, 4),
+    }, found
+
+
+def test_table_tiles_of_several_heads_take_the_table_warps(monkeypatch):
+    """Without a norm, a tile of TE's table whose angles serve rule.table_warps_min_heads heads
+    or more takes rule.table_warps warps, forward and backward, alone and with q and k in one
+    launch; a tile of fewer heads, one whose tokens search cu_seqlens, and every tile with
+    angles from positions keep rule.num_warps. Only the plans are read."""
+    L = triton_rotary_launch
+    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    table = module(64)
+    # A row is 16 float32 channels, 64 bytes: 256-byte tiles hold 4 rows.
+    rule = L.launch_rule()._replace(tile_bytes=256, search_tile_bytes=256, num_warps=4,
+                                    table_warps=2, table_warps_min_heads=4,
+                                    min_programs_per_sm=0)
+    cu_seqlens = torch.tensor([0, 30, 64], dtype=torch.int32, device=DEVICE)
+    calls = {
+        "4 heads, table": (torch.randn(64, 1, 4, 16, device=DEVICE), table, {}),
+        "4 heads, positions": (torch.randn(64, 1, 4, 16, device=DEVICE), module, {}),
+        "2 heads, table": (torch.randn(64, 1, 2, 16, device=DEVICE), table, {}),
+        "thd search, table": (torch.randn(64, 4, 16, device=DEVICE), table,
+                              dict(tensor_format="thd", cu_seqlens=cu_seqlens)),
+    }
+    found = {}
+    with L.use_launch_rule(rule):
+        for name, (t, freqs, options) in calls.items():
+            for backward in (False, True):
+                L._PLANS.clear()
+                L.set_rotary_kernel(t, freqs, backward=backward, **options)
+                (plan,) = L._PLANS.values()
+                found[(name, backward)] = plan.launch.num_warps
+                assert plan.launch.cfg.BLOCK_H == t.shape[-2], name
+        L._PLANS.clear()
+        q, k = torch.randn(64, 1, 4, 16, device=DEVICE), torch.randn(64, 1, 1, 16, device=DEVICE)
+        L.set_rotary_qk_kernel(q, k, table)
+        found[("q, k, table", False)] = [p.launch.num_warps for p in L._PLANS.values()]
+    assert found == {
+        ("4 heads, table", False): 2, ("4 heads, table", True): 2,
+        ("4 heads, positions", False): 4, ("4 heads, positions", True): 4,
+        ("2 heads, table", False): 4, ("2 heads, table", True): 4,
+        ("thd search, table", False): 4, ("thd search, table", True): 4,
+        ("q, k, table", False): [2],
     }, found
 
 

@@ -66,6 +66,14 @@ SEARCH_TILE_BYTES = 8192
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
+# A tile of TE's table (angles read, not made from positions) whose angles serve at least
+# TABLE_WARPS_MIN_HEADS heads takes TABLE_WARPS warps. Its table row is a load the rotation
+# waits for, then sin/cos in float32 polynomials: 48-56 registers a thread at 4 warps (sm_90,
+# Triton 3.6), so that registers, not warps, cap an SM at 9-10 programs, 56-63% occupancy,
+# where the positions path's 32 registers fill it (ncu, H200, artifacts/tiles/). Half the
+# threads, each with two vectors of each half, put more of the tile's bytes in flight per SM.
+TABLE_WARPS = 2
+TABLE_WARPS_MIN_HEADS = 4
 # With a norm, a program holds a tile's loads until each row's sums are complete, and the
 # backward holds two tiles (the gradient and the norm's input) and its sums of dL/dweight. The
 # forward takes the plain tile in NORM_WARPS warps (each thread two 16-byte vectors of each half
@@ -234,6 +242,8 @@ class LaunchRule(NamedTuple):
     min_programs_per_sm: int    # the interpreter counts as one SM
     search_tile_bytes: int
     qkv_tile_bytes: int
+    table_warps: int
+    table_warps_min_heads: int
     norm_warps: int
     norm_one_head_warps: int
     norm_positions_tile_bytes: int
@@ -253,9 +263,9 @@ class LaunchRule(NamedTuple):
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
-                      NORM_WARPS, NORM_ONE_HEAD_WARPS, NORM_POSITIONS_TILE_BYTES,
-                      NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS, NORM_BACKWARD_ROWS,
-                      NORM_TABLE_BACKWARD_ROWS,
+                      TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NORM_WARPS, NORM_ONE_HEAD_WARPS,
+                      NORM_POSITIONS_TILE_BYTES, NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS,
+                      NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       QKV_NORM_BACKWARD_MAX_REGISTERS,
@@ -263,7 +273,8 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       QK_NORM_OVERLAP)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
-                              NUM_WARPS, NUM_WARPS, INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
+                              TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NUM_WARPS, NUM_WARPS,
+                              INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
                               QK_NORM_POSITIONS_PASS, 0,
@@ -1235,6 +1246,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
     if norm is not None:
         num_warps = _norm_warps(rule, tile, backward, positions_tile)
+    elif (not source.from_positions and not searches
+          and tile["BLOCK_H"] >= rule.table_warps_min_heads):
+        num_warps = rule.table_warps                    # TABLE_WARPS says why
     token_blocks, head_programs = grid
     if k is not None:
         # As many programs per token block as q's tiles take, each with a share of k's heads
