@@ -72,6 +72,13 @@ QKV_TILE_BYTES = 8192
 # Triton 3.6), so that registers, not warps, cap an SM at 9-10 programs, 56-63% occupancy,
 # where the positions path's 32 registers fill it (ncu, H200, artifacts/tiles/). Half the
 # threads, each with two vectors of each half, put more of the tile's bytes in flight per SM.
+# Kernels alone, bf16 forward, fraction of copy speed, 4 -> 2 warps, in one process per GPU
+# (artifacts/tiles/tile_variants_ab_h200.log, table_warps_ab_h100.log): H200 40 heads 0.884 ->
+# 0.951, Qwen2-VL's 28 query heads 0.889 -> 0.934 (packed: 0.819 -> 0.935), Llama 8B's and
+# 70B's query heads 0.930 -> 0.950 and 0.936 -> 0.960; H100 -1.4% to +0.9% at those points but
+# the packed one, 0.889 -> 0.960. At two heads (d 64) 2 warps lost on the H200 (0.668 ->
+# 0.550): each thread then works out more angles per byte it moves. Tiles that search
+# cu_seqlens did not gain (0.965 -> 0.948 at 8 heads), and register caps (maxnreg 32) spilled.
 TABLE_WARPS = 2
 TABLE_WARPS_MIN_HEADS = 4
 # With a norm, a program holds a tile's loads until each row's sums are complete, and the
