@@ -352,6 +352,23 @@ def write_json(path, value):
         json.dump(value, f, indent=1)
 
 
+class ScriptLog:
+    """What an A/B script prints, kept with the rows it measures, for OUT/<name>.log and
+    OUT/<name>.json."""
+
+    def __init__(self):
+        self.lines, self.rows = [], []
+
+    def say(self, msg):
+        print(msg, flush=True)
+        self.lines.append(msg)
+
+    def write(self, out_dir, name):
+        with open(os.path.join(out_dir, f"{name}.log"), "w") as f:
+            f.write("\n".join(self.lines) + "\n")
+        write_json(os.path.join(out_dir, f"{name}.json"), self.rows)
+
+
 def row_key(r):
     return (r["sweep"], str(r["x"]), r["dtype"], r["mode"], r["provider"])
 

@@ -15,7 +15,6 @@ larger than L2, replayed REPLAYS times per round, lines interleaved round-robin 
 rounds, median reported. Before timing, each variant's result is compared with the first
 rule's (the same up to the order of the sums of dL/dweight). Writes OUT/rules.log and OUT/rules.json.
 """
-import json
 import math
 import os
 import statistics
@@ -29,6 +28,7 @@ import triton
 
 import triton_rotary_launch as L
 from rope_bench import graphed
+from rope_bench_report import ScriptLog
 from triton_rotary_main import RotaryPositionEmbedding
 
 BF16, EPS, TOKENS = torch.bfloat16, 1e-6, 16384
@@ -173,11 +173,8 @@ def main():
     out_dir, only = sys.argv[1], set(sys.argv[2:])
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
-    log, rows = [], []
-
-    def say(msg):
-        print(msg, flush=True)
-        log.append(msg)
+    out = ScriptLog()
+    say, rows = out.say, out.rows
     say(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
         f"{triton.__version__}; {TOKENS} tokens, bf16; time per step / time of a copy of q and k")
     say(f"GPU_RULE {G}")
@@ -218,10 +215,7 @@ def main():
             graph.reset()
         del graphs, P
         torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "rules.log"), "w") as f:
-        f.write("\n".join(log) + "\n")
-    with open(os.path.join(out_dir, "rules.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    out.write(out_dir, "rules")
 
 
 if __name__ == "__main__":

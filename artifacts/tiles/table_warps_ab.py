@@ -14,7 +14,6 @@ drift of the GPU's clocks falls on all of them. Before timing, each variant's ou
 compared with the rule's (the same bits: a tile's shape does not change the arithmetic).
 Writes OUT/table_warps_ab.log and OUT/table_warps_ab.json.
 """
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import triton.testing
 
 import rope_bench as B
 import triton_rotary_launch as L
-from rope_bench_report import MODEL_POINT_BY_NAME, table_bound
+from rope_bench_report import MODEL_POINT_BY_NAME, ScriptLog, table_bound
 
 ROUNDS = 3
 POINTS = ["8B-TP1-q-8K", "8B-TP1-k-8K", "70B-TP1-q-8K", "h40-q-8K", "d80-h32-16K",
@@ -123,11 +122,8 @@ def main():
     out_dir, points = sys.argv[1], sys.argv[2:] or POINTS
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
-    log, rows = [], []
-
-    def say(msg):
-        print(msg, flush=True)
-        log.append(msg)
+    out = ScriptLog()
+    say, rows = out.say, out.rows
     say(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
         f"{triton.__version__}; kernels alone, bf16, fraction of an eager copy's speed "
         f"(table bound: copy + table bytes); median of {ROUNDS} rounds of do_bench")
@@ -140,10 +136,7 @@ def main():
     for name, dtype_name in todo:
         run_point(name, dtype_name, say, rows)
         torch.cuda.empty_cache()
-        with open(os.path.join(out_dir, "table_warps_ab.log"), "w") as f:
-            f.write("\n".join(log) + "\n")
-        with open(os.path.join(out_dir, "table_warps_ab.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        out.write(out_dir, "table_warps_ab")
 
 
 if __name__ == "__main__":
