@@ -980,6 +980,12 @@ class _Launch:
         self.runners = {}
         self.tensor_paths = None
 
+    def with_cfg(self, cfg, early=False):
+        """This launch with other compile-time choices, launched early or not: a new launch
+        (its runners are of its own compiled kernel)."""
+        return _Launch(self.kernel, self.groups, self.grid, cfg, self.num_warps,
+                       self.options.get("maxnreg", 0), early)
+
     def jit(self, *args):
         """Launch through Triton's JIT; returns the compiled kernel."""
         named = [_as_group(arg, group) for arg, group in zip(args, self.groups)]
@@ -1662,11 +1668,8 @@ def _overlapped(first, second):
     after both. The second reads nothing the first writes, and everything it reads was written
     before the first began (which was launched as usual)."""
     a, b = first.launch, second.launch
-    a = _Launch(a.kernel, a.groups, a.grid, a.cfg._replace(LAUNCH_DEPENDENTS=True), a.num_warps,
-                a.options.get("maxnreg", 0))
-    b = _Launch(b.kernel, b.groups, b.grid, b.cfg._replace(WAITS_FOR_PREVIOUS=True), b.num_warps,
-                b.options.get("maxnreg", 0), early=True)
-    return first._replace(launch=a), second._replace(launch=b)
+    return (first._replace(launch=a.with_cfg(a.cfg._replace(LAUNCH_DEPENDENTS=True))),
+            second._replace(launch=b.with_cfg(b.cfg._replace(WAITS_FOR_PREVIOUS=True), early=True)))
 
 
 def _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm):
