@@ -2037,16 +2037,21 @@ _QK_CASES = {
 }
 
 
-def _counted_launches(patch):
-    """A Counter of the launches made from here on, by kernel name (each launch still runs):
-    `patch` (a monkeypatch or one of its contexts) wraps _Launch.__call__ until it is undone."""
-    launches = collections.Counter()
+def _watch_launches(patch, seen):
+    """`seen(launch)` at every launch made from here on (each launch still runs): `patch` (a
+    monkeypatch or one of its contexts) wraps _Launch.__call__ until it is undone."""
     real_call = triton_rotary_launch._Launch.__call__
 
-    def counting(launch, *args):
-        launches[launch.kernel.fn.__name__] += 1
+    def watched(launch, *args):
+        seen(launch)
         real_call(launch, *args)
-    patch.setattr(triton_rotary_launch._Launch, "__call__", counting)
+    patch.setattr(triton_rotary_launch._Launch, "__call__", watched)
+
+
+def _counted_launches(patch):
+    """A Counter of the launches made from here on, by kernel name (`_watch_launches`)."""
+    launches = collections.Counter()
+    _watch_launches(patch, lambda launch: launches.update([launch.kernel.fn.__name__]))
     return launches
 
 
@@ -2239,15 +2244,13 @@ def test_qk_norm_key_launch_starts_while_the_query_launch_ends(monkeypatch):
     grads = torch.randn_like(q), torch.randn_like(k)
     module = RotaryPositionEmbedding(32, device=DEVICE)
     launched = []
-    real_call = L._Launch.__call__
 
-    def recording(launch, *args):
+    def record(launch):
         if launch.kernel.fn.__name__ == "rotary_kernel":
             cfg = launch.constexprs[0]
             launched.append((cfg.LAUNCH_DEPENDENTS, cfg.WAITS_FOR_PREVIOUS,
                              launch.options.get("launch_pdl", False)))
-        real_call(launch, *args)
-    monkeypatch.setattr(L._Launch, "__call__", recording)
+    _watch_launches(monkeypatch, record)
     early = not ON_GPU or torch.cuda.get_device_capability()[0] >= 9
     results = {}
     for overlap in (True, False):
