@@ -22,7 +22,6 @@ sys.path.insert(0, os.getcwd())
 
 import torch
 import triton
-import triton.testing
 
 import rope_bench as B
 import triton_rotary_launch as L
@@ -53,7 +52,8 @@ def flat(result):
 
 
 def ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5])
+    """Median ms of `fn`, timed as the models sweep times it (`rope_bench._bench_ms`)."""
+    return B._bench_ms(fn)[0]
 
 
 def run_point(name, dtype_name, say, rows):
