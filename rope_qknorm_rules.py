@@ -70,9 +70,9 @@ QKV_EXACT_RULES = ("rule", "bwd_unpipelined")
 QK_RULES = ("rule", "no_overlap")
 
 
-def build(p, dev="cuda"):
+def build(p, dev="cuda", tokens=TOKENS):
     """Tables, norms and rotating buffer sets (> 256 MB of q and k in all) for one point."""
-    s, hq, hk, d = TOKENS, p["hq"], p["hk"], p["d"]
+    s, hq, hk, d = tokens, p["hq"], p["hk"], p["d"]
     width = (lambda h: d) if p["over"] == "head" else (lambda h: h * d)
     module = RotaryPositionEmbedding(d, rotary_base=1e6, device=dev)
     P = SimpleNamespace(freqs=module(s), module=module)

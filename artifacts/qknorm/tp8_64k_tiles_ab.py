@@ -7,18 +7,15 @@ rule's result, then the table.
 
     python artifacts/qknorm/tp8_64k_tiles_ab.py      # on a GPU, from the repository root
 """
-import math
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.getcwd())
 import torch
 import triton
 
 import triton_rotary_launch as L
-from rope_qknorm_rules import graphed_over, graphed_under_rules, time_graphs
-from triton_rotary_main import RotaryPositionEmbedding
+from rope_qknorm_rules import build, graphed_over, graphed_under_rules, time_graphs
 
 TOKENS, HQ, HK, D = 65536, 4, 1, 128
 G = L.GPU_RULE
@@ -32,18 +29,9 @@ RULES = {"rule": G,
 
 
 def main():
-    dev, bf16 = "cuda", torch.bfloat16
     torch.manual_seed(0)
-    module = RotaryPositionEmbedding(D, rotary_base=1e6, device=dev)
-    table = module(TOKENS)
-    nq, nk = (L.RMSNorm((1.0 + 0.1 * torch.randn(D, device=dev)).to(bf16), 1e-6, 0.0, "head")
-              for _ in range(2))
-    sets = []
-    for _ in range(max(4, math.ceil((256 << 20) / (2 * TOKENS * (HQ + HK) * D)))):
-        S = SimpleNamespace(q=torch.randn(1, TOKENS, HQ, D, device=dev, dtype=bf16),
-                            k=torch.randn(1, TOKENS, HK, D, device=dev, dtype=bf16))
-        S.qd, S.kd = torch.empty_like(S.q), torch.empty_like(S.k)
-        sets.append(S)
+    P = build(dict(hq=HQ, hk=HK, d=D, offset=0.0, over="head"), tokens=TOKENS)
+    sets, module, table, nq, nk = P.sets, P.module, P.freqs, P.nq, P.nk
     qk = L.set_rotary_qk_kernel
     steps = {"exact": lambda S: qk(S.q, S.k, module, "bshd", q_norm=nq, k_norm=nk),
              "table": lambda S: qk(S.q, S.k, table, "bshd", q_norm=nq, k_norm=nk)}
