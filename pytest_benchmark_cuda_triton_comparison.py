@@ -3510,7 +3510,7 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     fused QKV's query tiles too, in as many warps as give each thread
     rule.norm_backward_thread_elements elements, and rule.norm_backward_warps_per_sm warps per
     SM along the tokens. A call without a norm keeps rule.num_warps (rule.table_warps from a
-    table: test_table_tiles_of_several_heads_take_the_table_warps). Only the plans are read:
+    table: test_table_and_search_tiles_take_their_warps). Only the plans are read:
     the launches are left out (the tiles' results are tested with the norms' other tests)."""
     L = triton_rotary_launch
     monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
@@ -3583,26 +3583,30 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     }, found
 
 
-def test_table_tiles_of_several_heads_take_the_table_warps(monkeypatch):
+def test_table_and_search_tiles_take_their_warps(monkeypatch):
     """Without a norm, a tile of TE's table whose angles serve rule.table_warps_min_heads heads
     or more takes rule.table_warps warps, forward and backward, alone and with q and k in one
-    launch; a tile of fewer heads, one whose tokens search cu_seqlens, and every tile with
-    angles from positions keep rule.num_warps. Only the plans are read."""
+    launch; a thd tile whose tokens search cu_seqlens takes rule.search_warps with angles from
+    positions and rule.num_warps with TE's table; a table tile of fewer heads and every other
+    tile with angles from positions keep rule.num_warps. Only the plans are read."""
     L = triton_rotary_launch
     monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
     module = RotaryPositionEmbedding(16, device=DEVICE)
     table = module(64)
     # A row is 16 float32 channels, 64 bytes: 256-byte tiles hold 4 rows.
     rule = L.launch_rule()._replace(tile_bytes=256, search_tile_bytes=256, num_warps=4,
-                                    table_warps=2, table_warps_min_heads=4,
+                                    search_warps=8, table_warps=2, table_warps_min_heads=4,
                                     min_programs_per_sm=0)
     cu_seqlens = torch.tensor([0, 30, 64], dtype=torch.int32, device=DEVICE)
+    thd = dict(tensor_format="thd", cu_seqlens=cu_seqlens)
     calls = {
         "4 heads, table": (torch.randn(64, 1, 4, 16, device=DEVICE), table, {}),
         "4 heads, positions": (torch.randn(64, 1, 4, 16, device=DEVICE), module, {}),
         "2 heads, table": (torch.randn(64, 1, 2, 16, device=DEVICE), table, {}),
-        "thd search, table": (torch.randn(64, 4, 16, device=DEVICE), table,
-                              dict(tensor_format="thd", cu_seqlens=cu_seqlens)),
+        "thd search, table": (torch.randn(64, 4, 16, device=DEVICE), table, thd),
+        "thd search, positions": (torch.randn(64, 4, 16, device=DEVICE), module, thd),
+        "thd positions given": (torch.randn(64, 4, 16, device=DEVICE), module,
+                                dict(tensor_format="thd", positions=torch.arange(64, device=DEVICE))),
     }
     found = {}
     with L.use_launch_rule(rule):
@@ -3622,6 +3626,8 @@ def test_table_tiles_of_several_heads_take_the_table_warps(monkeypatch):
         ("4 heads, positions", False): 4, ("4 heads, positions", True): 4,
         ("2 heads, table", False): 4, ("2 heads, table", True): 4,
         ("thd search, table", False): 4, ("thd search, table", True): 4,
+        ("thd search, positions", False): 8, ("thd search, positions", True): 8,
+        ("thd positions given", False): 4, ("thd positions given", True): 4,
         ("q, k, table", False): [2],
     }, found
 

@@ -61,8 +61,17 @@ TILE_BYTES = 4096
 NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
 # thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
-# program, more of their (latency-bound) searches in flight at once.
+# program, more of their (latency-bound) searches in flight at once; with angles from
+# positions and no norm, in SEARCH_WARPS warps. In 8 warps, bf16, on four H100 machines
+# (kernels alone, fraction of copy speed; artifacts/tiles/positions_tiles_ab_h100*.log,
+# positions_rule_ab_h100*.log): 2048 and 4096 packed sequences of 64 and 32 tokens and
+# lognormal lengths gained 0.003-0.013 at each, forward and backward (0.971-0.982 ->
+# 0.974-0.991), mixed lengths of 16-1024 tokens moved -0.005 to +0.006, fp32 within 0.004;
+# TE's table, which keeps NUM_WARPS, lost (0.963-0.978 -> 0.836-0.932, one machine). Not
+# measured on the H200, where 8 warps in 16 KiB search tiles ran 0.955 -> 0.867 at 2048
+# sequences (artifacts/tiles/tile_variants_ab_h200.log): 4 warps until it is.
 SEARCH_TILE_BYTES = 8192
+SEARCH_WARPS = 4
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
@@ -248,6 +257,7 @@ class LaunchRule(NamedTuple):
     num_warps: int
     min_programs_per_sm: int    # the interpreter counts as one SM
     search_tile_bytes: int
+    search_warps: int
     qkv_tile_bytes: int
     table_warps: int
     table_warps_min_heads: int
@@ -269,7 +279,8 @@ class LaunchRule(NamedTuple):
     qk_norm_overlap: bool
 
 
-GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, QKV_TILE_BYTES,
+GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, SEARCH_WARPS,
+                      QKV_TILE_BYTES,
                       TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NORM_WARPS, NORM_ONE_HEAD_WARPS,
                       NORM_POSITIONS_TILE_BYTES, NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS,
                       NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
@@ -279,7 +290,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
                       QK_NORM_OVERLAP)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
-                              INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES,
+                              INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_TILE_BYTES,
                               TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NUM_WARPS, NUM_WARPS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
@@ -1259,6 +1270,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     num_warps = tile.pop("num_warps")        # the rest: the Variant's tile fields, by name
     if norm is not None:
         num_warps = _norm_warps(rule, tile, backward, positions_tile)
+    elif searches and source.from_positions:
+        num_warps = rule.search_warps                   # SEARCH_TILE_BYTES says why
     elif (not source.from_positions and not searches
           and tile["BLOCK_H"] >= rule.table_warps_min_heads):
         num_warps = rule.table_warps                    # TABLE_WARPS says why
