@@ -3501,6 +3501,48 @@ def test_eager_backward_launches_the_plan_kept_with_the_forwards(monkeypatch):
             assert counts == [1, 0, 1, 0, 1, 1, 0], (name, counts)
 
 
+def test_module_angles_are_kept_while_the_module_is_the_same():
+    """A module's AngleSource is kept (made once, not on every call: `_module_fields`) while its
+    buffers are the same tensors and its fields the same values, and the rotation follows what
+    the module holds now: inv_freq changed in place, a new inv_freq, another attention scaling,
+    an M-RoPE module's pair_axis replaced (each against the unfused formula); inv_freq swapped
+    for float64 under the same tensor object is named, not read as float32."""
+    L = triton_rotary_launch
+    torch.manual_seed(5)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    t = torch.randn(8, 2, 3, 16, device=DEVICE)
+
+    def check(freqs, **options):
+        torch.testing.assert_close(apply_rotary_pos_emb(t, freqs, **options),
+                                   apply_rotary_pos_emb(t, freqs, fused=False, **options))
+
+    first = L.angle_source(module)
+    assert L.angle_source(module) is first
+    check(module)
+    with torch.no_grad():
+        module.inv_freq.mul_(0.5)                   # the same tensor, other values
+    assert L.angle_source(module) is first
+    check(module)
+    module.inv_freq = module.inv_freq * 3           # another tensor
+    second = L.angle_source(module)
+    assert second is not first and second.angles is module.inv_freq
+    check(module)
+    module.attention_scaling = 0.5
+    assert L.angle_source(module).scale == 0.5
+    check(module)
+
+    mrope = RotaryPositionEmbedding(16, mrope_section=[2, 3, 3], device=DEVICE)
+    positions = torch.randint(0, 40, (3, 2, 8), device=DEVICE)
+    check(mrope, positions=positions)
+    mrope.pair_axis = mrope.pair_axis.flip(0).contiguous()
+    assert L.angle_source(mrope).pair_axis is mrope.pair_axis
+    check(mrope, positions=positions)
+
+    module.inv_freq.data = module.inv_freq.data.double()
+    with pytest.raises(TypeError, match="float32"):
+        apply_rotary_pos_emb(t, module)
+
+
 def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     """A QK-norm forward takes the plain tile in rule.norm_warps warps, in
     rule.norm_one_head_warps where its tile holds one head; with angles from positions and 2

@@ -57,6 +57,7 @@ rows = {
     "allocate-only fwd": lambda: AllocateOnly.apply(x),
     "rt allocate-only": lambda: torch.autograd.grad(AllocateOnly.apply(x), x, grad),
     "rt ours": lambda: torch.autograd.grad(M.apply_rotary_pos_emb(x, freqs), x, grad),
+    "rt ours positions": lambda: torch.autograd.grad(M.apply_rotary_pos_emb(x, module), x, grad),
     "rt ours q and k": lambda: torch.autograd.grad(M.apply_rotary_pos_emb_qk(x, k, freqs), (x, k),
                                                    (grad, grad_k)),
 }
