@@ -428,7 +428,7 @@ def _module_fields(freqs):
     several axes) not a registered buffer, a field of another type than int, float or bool, or
     under torch.compile (which traces the source made afresh).
 
-    INTERNAL(torch nn.Module._buffers, the dict of registered buffers; torch 2.13): read
+    INTERNAL(torch nn.Module._buffers, the dict of registered buffers; torch 2.11, 2.13): read
     for the buffers, a dict lookup where Module.__getattr__ costs about 0.7 µs each. A module
     without it warns once and has its source made on every call."""
     if not isinstance(freqs, torch.nn.Module) or torch.compiler.is_compiling():
