@@ -2603,6 +2603,27 @@ def test_duck_typed_modules_are_checked():
                                apply_rotary_pos_emb(t, _DuckRope(inv)))
 
 
+def test_angle_sources_given_as_freqs_are_checked():
+    """An AngleSource passed as freqs (what the autograd functions and custom ops hand on) is
+    checked like a module: inv_freq or pair_axis without unit stride is named, since the kernel
+    reads them in order; contiguous ones rotate as the module does."""
+    L = triton_rotary_launch
+    module = RotaryPositionEmbedding(16, mrope_section=[2, 3, 3], device=DEVICE)
+    t = torch.randn(8, 2, 3, 16, device=DEVICE)
+    positions = torch.randint(0, 40, (3, 2, 8), device=DEVICE)
+    source = L.angle_source(module)
+
+    def strided(x):                  # the same values, every second element of a buffer
+        return torch.stack([x, torch.zeros_like(x)], 1).reshape(-1)[::2]
+
+    torch.testing.assert_close(apply_rotary_pos_emb(t, source, positions=positions),
+                               apply_rotary_pos_emb(t, module, positions=positions))
+    for field in ("angles", "pair_axis"):
+        bad = source._replace(**{field: strided(getattr(source, field))})
+        with pytest.raises(ValueError, match="unit stride"):
+            apply_rotary_pos_emb(t, bad, positions=positions)
+
+
 def test_qkv_backward_grads_and_overlapping_out_are_rejected():
     freqs = RotaryPositionEmbedding(8, device=DEVICE)(6)
     qkv = torch.randn(4, 2, 2, 32, device=DEVICE)

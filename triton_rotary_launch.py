@@ -364,6 +364,11 @@ def _check_source(source, name):
                                            or pair_axis.shape != angles.shape)):
             raise TypeError(f"{name}: pair_axis must be int32 of inv_freq's shape exactly when "
                             f"n_axes > 1")
+        # The kernel reads both one entry per pair, in order.
+        for field, x in (("inv_freq", angles), ("pair_axis", pair_axis)):
+            if x is not None and x.numel() > 1 and x.stride(0) != 1:
+                raise ValueError(f"{name}: {field} must have unit stride, got stride "
+                                 f"{x.stride(0)}")
     elif pair_axis is not None or source.n_axes != 1:
         raise ValueError(f"{name}: a table has one position axis and no pair_axis")
 
