@@ -2403,6 +2403,32 @@ _BAD_ROPE_ARGS = [
     (dict(dim=0), ValueError, "dim"),
     (dict(rotary_percent=1.5), ValueError, "rotary_percent"),
     (dict(rotary_base=-1.0), ValueError, "rotary_base"),
+    # Settings that would make every frequency 0 or inf, or every output NaN.
+    (dict(rotary_base=float("inf")), ValueError, "rotary_base must be a positive number"),
+    (dict(rotary_base=1e-320), ValueError, "not finite and > 0"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": float("inf")}), ValueError,
+     r"rope_scaling\['factor'\] must be a finite number"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                        "attention_factor": float("nan")}), ValueError, r"rope_scaling\['attention_factor'\]"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                        "attention_factor": -1.0}), ValueError, r"rope_scaling\['attention_factor'\]"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                        "mscale": float("nan"), "mscale_all_dim": 1.0}), ValueError, r"rope_scaling\['mscale'\]"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                        "beta_fast": -1}), ValueError, r"rope_scaling\['beta_fast'\]"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                        "truncate": "no"}), TypeError, r"rope_scaling\['truncate'\] must be a bool"),
+    (dict(rotary_base=1.0, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 4096}),
+     ValueError, "rotary_base=1.0 with rope_scaling=.* gives no frequencies"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": float("inf")}),
+     ValueError, "original_max_position_embeddings must be a positive number"),
+    (dict(interleaved="no"), TypeError, "interleaved must be a bool"),
+    (dict(rope_scaling={"mrope_section": [16, 8, 8], "mrope_interleaved": "false"}), TypeError,
+     r"rope_scaling\['mrope_interleaved'\] must be a bool"),
+    (dict(seq_len_interpolation_factor=0), ValueError, "seq_len_interpolation_factor"),
+    (dict(seq_len_interpolation_factor=2, pretrained_max_position_embeddings=0), ValueError,
+     "pretrained_max_position_embeddings"),
 ]
 
 
@@ -2412,6 +2438,20 @@ def test_rope_scaling_bad_arguments_raise(kwargs, error, match):
     dim = kwargs.pop("dim", 64)
     with pytest.raises(error, match=match):
         RotaryPositionEmbedding(dim, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((2.5,), TypeError, "max_seq_len must be an int, got float"),
+    ((True,), TypeError, "max_seq_len must be an int, got bool"),
+    (("4",), TypeError, "max_seq_len must be an int, got str"),
+    ((-1,), ValueError, "max_seq_len must be >= 0"),
+    ((4, float("nan")), TypeError, "offset must be an int, got float"),
+], ids=["float length", "bool length", "str length", "negative length", "nan offset"])
+def test_module_table_bad_arguments_raise(args, error, match):
+    """The module's table, `module(max_seq_len, offset)`, names a length or offset that is not
+    an int (a float would be rounded up by arange, a NaN offset would fill it with NaN)."""
+    with pytest.raises(error, match=re.escape(match)):
+        RotaryPositionEmbedding(16, device="cpu")(*args)
 
 
 def test_from_hf_config_bad_configs_raise():
@@ -2425,6 +2465,10 @@ def test_from_hf_config_bad_configs_raise():
     with pytest.raises(ValueError, match="rope_scaling.*dynamic"):
         RotaryPositionEmbedding.from_hf_config({"hidden_size": 512, "num_attention_heads": 8,
                                                 "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    for key, value in (("num_attention_heads", 0), ("num_attention_heads", "8"), ("hidden_size", 64.0)):
+        config = dict({"hidden_size": 512, "num_attention_heads": 8}, **{key: value})
+        with pytest.raises(ValueError, match=f"config's {key} must be a positive int"):
+            RotaryPositionEmbedding.from_hf_config(config)
 
 
 def test_inplace_rejects_training_and_overlap():
@@ -2466,7 +2510,8 @@ BAD_INPUTS = [
     ("odd local length under cp", lambda a: a.update(t=a["t"][:3], cp_size=2), ValueError, "must be even"),
     ("cp_rank >= cp_size", lambda a: a.update(cp_size=2, cp_rank=2), ValueError, "cp_rank must be in [0, cp_size=2)"),
     ("cp_rank negative", lambda a: a.update(cp_rank=-1), ValueError, "cp_rank must be in"),
-    ("cp_size 0", lambda a: a.update(cp_size=0), ValueError, "cp_size must be >= 1"),
+    ("cp_size 0", lambda a: a.update(cp_size=0), ValueError, "cp_size must be in [1, 2147483647]"),
+    ("cp_size 2**64", lambda a: a.update(cp_size=2**64), ValueError, "cp_size must be in [1,"),
     ("cp_size float", lambda a: a.update(cp_size=2.0), TypeError, "cp_size must be an int"),
     ("interleaved not bool", lambda a: a.update(interleaved=1), TypeError, "interleaved must be a bool"),
     ("cu_seqlens missing", lambda a: a.update(_thd_args()), ValueError, "cu_seqlens is required"),
@@ -2509,6 +2554,26 @@ BAD_INPUTS = [
      "norm_eps must be a float, got str"),
     ("norm_offset nan", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE), norm_offset=float("nan")),
      ValueError, "norm_offset must be finite"),
+    # Sparse and nested tensors have no strides for the kernel to read.
+    ("t sparse", lambda a: a.update(t=a["t"].to_sparse()), TypeError,
+     "t must be a strided (dense) tensor, got layout torch.sparse_coo"),
+    ("t nested", lambda a: a.update(t=torch.nested.nested_tensor(
+        [torch.randn(4, 3, 16, device=DEVICE), torch.randn(2, 3, 16, device=DEVICE)])), TypeError,
+     "t must be a strided (dense) tensor, got a nested tensor"),
+    ("freqs sparse", lambda a: a.update(freqs=a["freqs"].to_sparse()), TypeError,
+     "freqs must be a strided (dense) tensor"),
+    ("start_positions sparse", lambda a: a.update(start_positions=int_tensor([0, 1]).to_sparse()), TypeError,
+     "start_positions must be a strided (dense) tensor"),
+    ("cu_seqlens sparse", lambda a: a.update(_thd_args(cu_seqlens=int_tensor([0, 6]).to_sparse())), TypeError,
+     "cu_seqlens must be a strided (dense) tensor"),
+    ("positions sparse", lambda a: a.update(positions=int_tensor([0, 1, 2, 3]).to_sparse()), TypeError,
+     "positions must be a strided (dense) tensor"),
+    ("norm_weight sparse", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE).to_sparse()), TypeError,
+     "norm_weight must be a strided (dense) tensor"),
+    # Its table divides the positions by the factor; angles from positions cannot.
+    ("module interpolating positions", lambda a: a.update(freqs=RotaryPositionEmbedding(
+        16, seq_len_interpolation_factor=2, pretrained_max_position_embeddings=8, device=DEVICE)),
+     ValueError, "freqs interpolates positions (seq_len_interpolation_factor=2)"),
 ]
 
 
@@ -2606,7 +2671,8 @@ def test_duck_typed_modules_are_checked():
 def test_angle_sources_given_as_freqs_are_checked():
     """An AngleSource passed as freqs (what the autograd functions and custom ops hand on) is
     checked like a module: inv_freq or pair_axis without unit stride is named, since the kernel
-    reads them in order; contiguous ones rotate as the module does."""
+    reads them in order, and so are a scale that is not a finite number and fields of other
+    types; contiguous ones rotate as the module does."""
     L = triton_rotary_launch
     module = RotaryPositionEmbedding(16, mrope_section=[2, 3, 3], device=DEVICE)
     t = torch.randn(8, 2, 3, 16, device=DEVICE)
@@ -2622,6 +2688,34 @@ def test_angle_sources_given_as_freqs_are_checked():
         bad = source._replace(**{field: strided(getattr(source, field))})
         with pytest.raises(ValueError, match="unit stride"):
             apply_rotary_pos_emb(t, bad, positions=positions)
+    # Its other fields: what the kernel is specialized on, or multiplies by.
+    for change, error, match in ((dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+                                 (dict(scale="1"), ValueError, "scale must be a finite number"),
+                                 (dict(n_axes=0), ValueError, "n_axes must be an int >= 1"),
+                                 (dict(from_positions="yes"), TypeError, "from_positions must be a bool"),
+                                 (dict(interleaved=1), TypeError, "interleaved must be a bool or None")):
+        with pytest.raises(error, match=match):
+            apply_rotary_pos_emb(t, source._replace(**change), positions=positions)
+
+
+def test_launcher_backward_flag_must_be_a_bool():
+    """set_rotary_kernel's `backward` picks the rotation's direction: 1 or "yes" are named,
+    not taken by their truth."""
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    t = torch.randn(4, 2, 3, 16, device=DEVICE)
+    for value in (1, "yes"):
+        with pytest.raises(TypeError, match="backward must be a bool"):
+            set_rotary_kernel(t, freqs, backward=value)
+
+
+def test_qk_pair_names_a_missing_tensor():
+    """apply_rotary_pos_emb_qk names q or k when one is not a tensor, fused or not."""
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    q = torch.randn(8, 2, 3, 16, device=DEVICE)
+    for fused in (True, False):
+        for args, name in (((q, None), "k"), ((None, q), "q"), ((None, None), "q")):
+            with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got NoneType"):
+                apply_rotary_pos_emb_qk(*args, freqs, fused=fused)
 
 
 def test_qkv_backward_grads_and_overlapping_out_are_rejected():

@@ -8,6 +8,8 @@ one kernel launch.
 
 import contextlib
 import functools
+import math
+import numbers
 import os
 import warnings
 import weakref
@@ -350,11 +352,26 @@ class AngleSource(NamedTuple):
     interleaved: object       # the module's pair layout; None for a table
 
 
+def _is_finite_number(x):
+    """A real number (not a bool) that is finite."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _check_source(source, name):
     """An AngleSource built elsewhere (the custom ops' arguments) holds what the kernel reads."""
     angles, pair_axis = source.angles, source.pair_axis
     if not isinstance(angles, torch.Tensor) or angles.dtype != torch.float32:
         raise TypeError(f"{name} angles must be a float32 tensor")
+    if not isinstance(source.from_positions, bool):
+        raise TypeError(f"{name}: from_positions must be a bool, got "
+                        f"{type(source.from_positions).__name__}")
+    if isinstance(source.n_axes, bool) or not isinstance(source.n_axes, int) or source.n_axes < 1:
+        raise ValueError(f"{name}: n_axes must be an int >= 1, got {source.n_axes!r}")
+    if not _is_finite_number(source.scale):
+        raise ValueError(f"{name}: scale must be a finite number, got {source.scale!r}")
+    if source.interleaved is not None and not isinstance(source.interleaved, bool):
+        raise TypeError(f"{name}: interleaved must be a bool or None, got "
+                        f"{type(source.interleaved).__name__}")
     if source.from_positions:
         if angles.dim() != 1 or angles.numel() == 0:
             raise ValueError(f"{name}: inv_freq must be non-empty and 1-D, got "
@@ -380,6 +397,7 @@ def angle_source(freqs, name="freqs"):
         _check_source(freqs, name)
         return freqs
     if isinstance(freqs, torch.Tensor):
+        # A sparse or nested table is named by check_rope_args (once per plan, not per call).
         if not freqs.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor (used as float32), got "
                             f"{freqs.dtype}")
@@ -400,6 +418,14 @@ def angle_source(freqs, name="freqs"):
     if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or inv_freq.numel() == 0:
         raise TypeError(f"{name}.inv_freq must be a non-empty 1-D float32 tensor, got "
                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    factor = getattr(freqs, "seq_len_interpolation_factor", None)
+    if factor is not None and factor != 1:
+        # Its table divides the positions by the factor (and by more past the trained length);
+        # angles from positions would ignore that.
+        raise ValueError(f"{name} interpolates positions (seq_len_interpolation_factor="
+                         f"{factor!r}), which only its table holds: pass its table, "
+                         f"{name}(max_seq_len), or build it with rope_scaling="
+                         f"{{'rope_type': 'linear', 'factor': {factor!r}}} for exact angles")
     n_axes = int(getattr(freqs, "n_axes", 1))
     pair_axis = getattr(freqs, "pair_axis", None) if n_axes > 1 else None
     if n_axes > 1 and (not isinstance(pair_axis, torch.Tensor) or pair_axis.dtype != torch.int32
@@ -408,10 +434,15 @@ def angle_source(freqs, name="freqs"):
                         f"{tuple(inv_freq.shape)} when {name}.n_axes > 1, got "
                         f"{getattr(pair_axis, 'dtype', pair_axis)} "
                         f"{tuple(getattr(pair_axis, 'shape', ()))}")
+    scale = getattr(freqs, "attention_scaling", 1.0)
+    if not _is_finite_number(scale):
+        raise ValueError(f"{name}.attention_scaling must be a finite number, got {scale!r}")
+    interleaved = getattr(freqs, "interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"{name}.interleaved must be a bool, got {type(interleaved).__name__}")
     source = AngleSource(inv_freq.resolve_neg().contiguous(), True,
                          None if pair_axis is None else pair_axis.resolve_neg().contiguous(),
-                         n_axes, float(getattr(freqs, "attention_scaling", 1.0)),
-                         bool(getattr(freqs, "interleaved", False)))
+                         n_axes, float(scale), interleaved)
     # Kept where it holds the module's own tensors (no copy), so that their values, changed in
     # place, reach the kernel as they would through a source made afresh.
     if fields is not None and source.angles is fields[0] and source.pair_axis is fields[1]:
@@ -447,6 +478,7 @@ def _module_fields(freqs):
     scale = getattr(freqs, "attention_scaling", 1.0)
     interleaved = getattr(freqs, "interleaved", False)
     if ("inv_freq" not in buffers or (n_axes != 1 and "pair_axis" not in buffers)
+            or vars(freqs).get("seq_len_interpolation_factor") not in (None, 1)
             or type(n_axes) not in _PLAIN_VALUES or type(scale) not in _PLAIN_VALUES
             or type(interleaved) not in _PLAIN_VALUES):
         return None
@@ -488,6 +520,7 @@ def check_norm(norm, t, nheads, head_dim, prefix="norm_"):
     weight = norm.weight
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{prefix}weight must be a torch.Tensor, got {type(weight).__name__}")
+    check_dense(f"{prefix}weight", weight)
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{prefix}weight must be float32, float16, bfloat16 or float64, got "
                         f"{weight.dtype}")
@@ -641,10 +674,24 @@ def _pair_weight_gradients(plans, partials, q_norm, k_norm):
             _weight_gradient(plans[1], k_partial, k_norm))
 
 
+def _is_dense(x):
+    """Whether x is a tensor the kernels can read: strided, not nested (sparse and nested
+    tensors have no strides)."""
+    return isinstance(x, torch.Tensor) and x.layout == torch.strided and not x.is_nested
+
+
+def check_dense(name, x):
+    """A tensor argument is strided and not nested."""
+    if not _is_dense(x):
+        raise TypeError(f"{name} must be a strided (dense) tensor, got "
+                        f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
+
+
 def _check_index_type(name, value, device, t_name):
-    """An index argument: a torch.Tensor of an INDEX_DTYPES dtype on t's device."""
+    """An index argument: a dense torch.Tensor of an INDEX_DTYPES dtype on t's device."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+    check_dense(name, value)
     if value.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
     if value.device != device:
@@ -674,6 +721,7 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{t_name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(t_name, t)
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{t_name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
     if not isinstance(tensor_format, str) or tensor_format not in TENSOR_FORMATS:
@@ -683,6 +731,7 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
         raise ValueError(f"{t_name} must be {want_rank}-D for tensor_format={tensor_format!r} "
                          f"([{', '.join(tensor_format)}]), got shape {tuple(t.shape)}")
     source = angle_source(freqs, freqs_name)
+    check_dense(freqs_name, source.angles)
     if source.angles.device != t.device:
         raise TypeError(f"{freqs_name} is on {source.angles.device} but {t_name} is on {t.device}")
     if source.pair_axis is not None and source.pair_axis.device != t.device:
@@ -694,8 +743,8 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 1 <= cp_size <= _INT32_MAX:
+        raise ValueError(f"cp_size must be in [1, {_INT32_MAX}], got {cp_size}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
     if start_positions is not None and cp_size > 1:
@@ -1169,7 +1218,7 @@ def _metadata_key(tensors, values):
     where an argument has no tensor metadata (the checks will say what is wrong with it)."""
     try:
         meta = [None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in tensors]
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):    # RuntimeError: a nested tensor's sizes
         return None
     return (*meta, values, tuple(map(type, values)), _launch_rule())
 
@@ -1259,6 +1308,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     for both with norms (`_make_qk_norm_plan`)."""
     if k is not None:
         name = "q"
+    if not isinstance(backward, bool):
+        raise TypeError(f"backward must be a bool, got {type(backward).__name__}")
     shape = check_rope_args(t, source, tensor_format, start_positions, cu_seqlens, cp_size,
                             cp_rank, interleaved, positions, inverse=inverse, t_name=name)
     if k is not None:
@@ -1423,7 +1474,7 @@ def _index_tensors(start_positions, cu_seqlens, positions):
     (anything else as it is, for the checks to name)."""
     if start_positions is None and cu_seqlens is None and positions is None:
         return None, None, None
-    return tuple(x.resolve_neg().contiguous() if isinstance(x, torch.Tensor) else x
+    return tuple(x.resolve_neg().contiguous() if _is_dense(x) else x
                  for x in (start_positions, cu_seqlens, positions))
 
 
@@ -1566,8 +1617,9 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
     a call without elements)."""
     check_norm_pair(q_norm, k_norm)
     norm_backward = q_norm is not None and backward
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and (
-            q.numel() == 0 or k.numel() == 0):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        check_qk_pair(q, k)          # names q or k (a plan's key has no place for a missing k)
+    if q.numel() == 0 or k.numel() == 0:
         # Nothing to share: each its own call (the one with elements launches), of a valid pair.
         check_qk_pair(q, k)
         results = [set_rotary_kernel(x, freqs, tensor_format, start_positions, interleaved,

@@ -11,6 +11,7 @@
 """
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Optional
 
@@ -56,7 +57,8 @@ _UNSUPPORTED_ROPE_TYPES = {
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _rope_number(rope_scaling, key, rope_type, *, allow_none=False, positive=True):
@@ -66,7 +68,8 @@ def _rope_number(rope_scaling, key, rope_type, *, allow_none=False, positive=Tru
     if value is None and allow_none:
         return None
     if not _is_number(value):
-        raise TypeError(f"rope_scaling[{key!r}] must be a number, got {value!r}")
+        raise (ValueError if isinstance(value, float) else TypeError)(
+            f"rope_scaling[{key!r}] must be a finite number, got {value!r}")
     if positive and not value > 0:
         raise ValueError(f"rope_scaling[{key!r}] must be > 0, got {value!r}")
     return value
@@ -142,15 +145,25 @@ def _yarn_inv_freq(base, d2, rope_scaling, max_position_embeddings):
     attention_factor = rope_scaling.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+            if value is not None and not _is_number(value):
+                raise ValueError(f"rope_scaling[{key!r}] must be a finite number, got {value!r}")
         if mscale and mscale_all_dim:
             attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
         else:
             attention_factor = _yarn_mscale(factor)
-    elif not _is_number(attention_factor):
-        raise TypeError(f"rope_scaling['attention_factor'] must be a number, got {attention_factor!r}")
+    elif not _is_number(attention_factor) or not attention_factor > 0:
+        raise ValueError(f"rope_scaling['attention_factor'] must be a finite number > 0, got "
+                         f"{attention_factor!r}")
     # falsy values (None, 0) fall back to the paper's defaults, as in transformers
     beta_fast = rope_scaling.get("beta_fast") or 32
     beta_slow = rope_scaling.get("beta_slow") or 1
+    for key, value in (("beta_fast", beta_fast), ("beta_slow", beta_slow)):
+        if not _is_number(value) or not value > 0:
+            raise ValueError(f"rope_scaling[{key!r}] must be a finite number > 0, got {value!r}")
+    if not isinstance(rope_scaling.get("truncate", True), bool):
+        raise TypeError(f"rope_scaling['truncate'] must be a bool, got "
+                        f"{rope_scaling['truncate']!r}")
 
     def correction_dim(rotations):
         # the pair index whose wavelength completes `rotations` turns over the original context
@@ -291,12 +304,40 @@ class RotaryPositionEmbedding(torch.nn.Module):
                 tuple(rope_scaling["mrope_section"]) != tuple(mrope_section):
             raise ValueError(f"rope_scaling['mrope_section'] = {rope_scaling['mrope_section']!r} disagrees with "
                              f"mrope_section = {mrope_section!r}")
-        mrope_interleaved = bool(mrope_interleaved or rope_scaling.get("mrope_interleaved", False))
+        for name, flag in (("interleaved", interleaved), ("mrope_interleaved", mrope_interleaved),
+                           ("rope_scaling['mrope_interleaved']",
+                            rope_scaling.get("mrope_interleaved", False))):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        mrope_interleaved = mrope_interleaved or rope_scaling.get("mrope_interleaved", False)
         n_pairs = dim // 2
         mrope_section = _check_mrope_section(mrope_section, mrope_interleaved, n_pairs)
 
-        inv_freq, attention_scaling = _rope_inv_freq(rope_type, rotary_base, dim, rope_scaling,
-                                                     max_position_embeddings)
+        try:
+            inv_freq, attention_scaling = _rope_inv_freq(rope_type, rotary_base, dim, rope_scaling,
+                                                         max_position_embeddings)
+        except (ArithmeticError, ValueError) as err:
+            if not isinstance(err, ArithmeticError) and "math domain" not in str(err):
+                raise                        # the settings' own checks, each naming its key
+            raise ValueError(f"rotary_base={rotary_base!r} with rope_scaling={dict(rope_scaling)!r} "
+                             f"gives no frequencies ({err})") from None
+        # A frequency of 0 or inf, or a scale of NaN, would rotate every token the same way or
+        # make every output NaN.
+        if not (torch.isfinite(inv_freq).all() and (inv_freq > 0).all()):
+            raise ValueError(f"rotary_base={rotary_base!r} with rope_scaling={dict(rope_scaling)!r} "
+                             f"gives inverse frequencies that are not finite and > 0")
+        if not (math.isfinite(attention_scaling) and attention_scaling > 0):
+            raise ValueError(f"rope_scaling={dict(rope_scaling)!r} gives an attention scaling of "
+                             f"{attention_scaling}; it must be finite and > 0")
+        if seq_len_interpolation_factor is not None and (
+                not _is_number(seq_len_interpolation_factor) or not seq_len_interpolation_factor > 0):
+            raise ValueError(f"seq_len_interpolation_factor must be a finite number > 0 or None, got "
+                             f"{seq_len_interpolation_factor!r}")
+        if pretrained_max_position_embeddings is not None and (
+                not _is_number(pretrained_max_position_embeddings)
+                or not pretrained_max_position_embeddings > 0):
+            raise ValueError(f"pretrained_max_position_embeddings must be a finite number > 0 or "
+                             f"None, got {pretrained_max_position_embeddings!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.rotary_base = rotary_base
@@ -352,6 +393,9 @@ class RotaryPositionEmbedding(torch.nn.Module):
             hidden, heads = _config_get(config, "hidden_size"), _config_get(config, "num_attention_heads")
             if hidden is None or heads is None:
                 raise ValueError("config needs head_dim, or hidden_size and num_attention_heads")
+            for key, value in (("hidden_size", hidden), ("num_attention_heads", heads)):
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"config's {key} must be a positive int, got {value!r}")
             head_dim = hidden // heads
         max_positions = _config_get(config, "max_position_embeddings")
         # Phi-3 keeps the pre-training length at the top level, and there it wins (as in transformers)
@@ -365,6 +409,11 @@ class RotaryPositionEmbedding(torch.nn.Module):
                    mrope_interleaved=bool(rope.get("mrope_interleaved", False)))
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        for name, value in (("max_seq_len", max_seq_len), ("offset", offset)):
+            if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if max_seq_len < 0:
+            raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
         positions = torch.arange(max_seq_len, dtype=torch.float32, device=self.inv_freq.device) + offset
         factor = self.seq_len_interpolation_factor
         if self.pretrained_max_position_embeddings is not None and factor is not None:
@@ -967,6 +1016,11 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     cu_seqlens[0] or from cu_seqlens[-1] on) are returned unchanged; a token whose position
     falls outside a table's [0, s2) (too large start_positions or positions, inconsistent
     cu_seqlens) gets NaN in its rotated channels rather than reading out of bounds.
+    cu_seqlens must be non-decreasing: its values are never read on the host (that would
+    synchronise with the GPU), and with a decreasing entry a token is placed in some sequence
+    in bounds, or passed through, which fused=False may place otherwise.
+    As in TE, `freqs` is not differentiated: a table that requires grad gets no gradient here
+    (fused=False differentiates it).
     """
     norm = _rms_norm(norm_weight, norm_eps, norm_offset, norm_over)
     if not fused:
