@@ -2709,13 +2709,21 @@ def test_launcher_backward_flag_must_be_a_bool():
 
 
 def test_qk_pair_names_a_missing_tensor():
-    """apply_rotary_pos_emb_qk names q or k when one is not a tensor, fused or not."""
+    """apply_rotary_pos_emb_qk names q or k when one is not a tensor, fused or not, and q's or
+    k's norm weight when it does not fit, also where q or k is empty."""
     freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
     q = torch.randn(8, 2, 3, 16, device=DEVICE)
+    k = torch.randn(8, 2, 1, 16, device=DEVICE)
     for fused in (True, False):
         for args, name in (((q, None), "k"), ((None, q), "q"), ((None, None), "q")):
             with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got NoneType"):
                 apply_rotary_pos_emb_qk(*args, freqs, fused=fused)
+        good, bad = torch.ones(16, device=DEVICE), torch.ones(9, device=DEVICE)
+        for q_, k_ in ((q, k), (q[:, :, :0], k), (q, k[:, :, :0])):
+            for weights, name in (((bad, good), "q_norm_weight"), ((good, bad), "k_norm_weight")):
+                with pytest.raises(ValueError, match=f"{name} must have shape"):
+                    apply_rotary_pos_emb_qk(q_, k_, freqs, fused=fused, q_norm_weight=weights[0],
+                                            k_norm_weight=weights[1])
 
 
 def test_qkv_backward_grads_and_overlapping_out_are_rejected():

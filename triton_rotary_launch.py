@@ -1620,8 +1620,12 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
         check_qk_pair(q, k)          # names q or k (a plan's key has no place for a missing k)
     if q.numel() == 0 or k.numel() == 0:
-        # Nothing to share: each its own call (the one with elements launches), of a valid pair.
+        # Nothing to share: each its own call (the one with elements launches), of a valid pair
+        # whose weights are named as q's and k's.
         check_qk_pair(q, k)
+        for name, x, norm in (("q", q, q_norm), ("k", k, k_norm)):
+            if norm is not None and x.dim() >= 2:
+                check_norm(norm, x, x.shape[-2], x.shape[-1], prefix=f"{name}_norm_")
         results = [set_rotary_kernel(x, freqs, tensor_format, start_positions, interleaved,
                                      cu_seqlens, cp_size, cp_rank, backward, positions=positions,
                                      inverse=inverse, norm=norm, norm_input=x_in)
