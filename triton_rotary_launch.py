@@ -1450,6 +1450,15 @@ def check_qk_pair(q, k):
                          f"leading dims and d: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
+def check_qk_norms(q, k, q_norm, k_norm):
+    """q's and k's norms (RMSNorms or None) fit them, each named as its tensor's
+    (`q_norm_weight`, `k_norm_weight`): for calls of q and k made as two calls of one tensor,
+    whose own checks would name both `norm_weight`."""
+    for name, x, norm in (("q", q, q_norm), ("k", k, k_norm)):
+        if norm is not None and x.dim() >= 2:
+            check_norm(norm, x, x.shape[-2], x.shape[-1], prefix=f"{name}_norm_")
+
+
 def _sequence_positions_launch(shape, has_start):
     """The launch of sequence_positions_kernel for a thd call (SEQUENCE_POSITIONS_BLOCK says
     why)."""
@@ -1623,9 +1632,7 @@ def set_rotary_qk_kernel(q, k, freqs, tensor_format="sbhd", start_positions=None
         # Nothing to share: each its own call (the one with elements launches), of a valid pair
         # whose weights are named as q's and k's.
         check_qk_pair(q, k)
-        for name, x, norm in (("q", q, q_norm), ("k", k, k_norm)):
-            if norm is not None and x.dim() >= 2:
-                check_norm(norm, x, x.shape[-2], x.shape[-1], prefix=f"{name}_norm_")
+        check_qk_norms(q, k, q_norm, k_norm)
         results = [set_rotary_kernel(x, freqs, tensor_format, start_positions, interleaved,
                                      cu_seqlens, cp_size, cp_rank, backward, positions=positions,
                                      inverse=inverse, norm=norm, norm_input=x_in)

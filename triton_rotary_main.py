@@ -25,6 +25,7 @@ from triton_rotary_launch import (
     check_norm,
     check_norm_pair,
     check_norm_scalars,
+    check_qk_norms,
     check_qk_pair,
     check_qkv_args,
     check_qkv_norms,
@@ -1068,10 +1069,8 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
         # Two calls: their own checks do not compare q with k, nor name q's and k's weights.
         # (One launch: its plan does.)
         check_qk_pair(q, k)
-        for name, x, weight in (("q", q, q_norm_weight), ("k", k, k_norm_weight)):
-            if weight is not None and x.dim() >= 2:
-                check_norm(_rms_norm(weight, norm_eps, norm_offset, norm_over), x, x.shape[-2],
-                           x.shape[-1], prefix=f"{name}_norm_")
+        check_qk_norms(q, k, _rms_norm(q_norm_weight, norm_eps, norm_offset, norm_over),
+                       _rms_norm(k_norm_weight, norm_eps, norm_offset, norm_over))
         kw = dict(tensor_format=tensor_format, start_positions=start_positions,
                   interleaved=interleaved, fused=fused, cu_seqlens=cu_seqlens, cp_size=cp_size,
                   cp_rank=cp_rank, positions=positions, inverse=inverse, norm_eps=norm_eps,
