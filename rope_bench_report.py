@@ -352,6 +352,22 @@ def write_json(path, value):
         json.dump(value, f, indent=1)
 
 
+def device_header():
+    """'device <GPU>  torch <version>  triton <version>': how an A/B script's log begins."""
+    import torch
+    import triton
+    return (f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
+            f"{triton.__version__}")
+
+
+def flat_outputs(result):
+    """A call's tensor results (one tensor, or the tensors of a tuple or list) as one float32
+    vector: what an A/B script compares, bit for bit, between the variants of a line."""
+    import torch
+    outputs = result if isinstance(result, (tuple, list)) else (result,)
+    return torch.cat([o.float().flatten() for o in outputs if isinstance(o, torch.Tensor)])
+
+
 class ScriptLog:
     """What an A/B script prints, kept with the rows it measures, for OUT/<name>.log and
     OUT/<name>.json."""

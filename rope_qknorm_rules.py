@@ -24,11 +24,10 @@ from types import SimpleNamespace
 sys.path.insert(0, os.getcwd())
 
 import torch
-import triton
 
 import triton_rotary_launch as L
 from rope_bench import graphed
-from rope_bench_report import ScriptLog
+from rope_bench_report import ScriptLog, device_header, flat_outputs
 from triton_rotary_main import RotaryPositionEmbedding
 
 BF16, EPS, TOKENS = torch.bfloat16, 1e-6, 16384
@@ -143,7 +142,7 @@ def graphed_under_rules(step, rules, sets):
     for rule_name, rule in rules.items():
         L._PLANS.clear()
         with L.use_launch_rule(rule):
-            results[rule_name] = flat(step(sets[0]))
+            results[rule_name] = flat_outputs(step(sets[0]))
             graphs[rule_name] = graphed_over(step, sets)
     return graphs, results
 
@@ -163,10 +162,6 @@ def time_graphs(graphs, nsets):
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def flat(outputs):
-    return torch.cat([o.float().flatten() for o in outputs])
-
-
 def main():
     if len(sys.argv) < 2 or not torch.cuda.is_available():
         sys.exit("usage: python rope_qknorm_rules.py OUT [LINE ...]  (on a CUDA device)")
@@ -175,8 +170,7 @@ def main():
     torch.manual_seed(0)
     out = ScriptLog()
     say, rows = out.say, out.rows
-    say(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
-        f"{triton.__version__}; {TOKENS} tokens, bf16; time per step / time of a copy of q and k")
+    say(f"{device_header()}; {TOKENS} tokens, bf16; time per step / time of a copy of q and k")
     say(f"GPU_RULE {G}")
     for p in POINTS:
         P = build(p)

@@ -21,9 +21,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.getcwd())
 import torch
-import triton
 
 import triton_rotary_launch as L
+from rope_bench_report import device_header
 from rope_qknorm_bench import packed_cu_seqlens
 from rope_qknorm_rules import graphed_over, graphed_under_rules, time_graphs
 from triton_rotary_main import RotaryPositionEmbedding
@@ -60,8 +60,7 @@ def main():
         "each_exact": lambda S: (rope(S.q, module, norm=nq, **kw), rope(S.k, module, norm=nk, **kw)),
         "each_table": lambda S: (rope(S.q, table, norm=nq, **kw), rope(S.k, table, norm=nk, **kw)),
     }
-    log = [f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
-           f"{triton.__version__}; Qwen3-8B packed thd, {TOKENS} tokens in {cu.numel() - 1} "
+    log = [f"{device_header()}; Qwen3-8B packed thd, {TOKENS} tokens in {cu.numel() - 1} "
            f"sequences, bf16; kernels alone, in copies of q and k"]
     graphs = {("copy", "-"): graphed_over(steps["copy"], sets)}
     for name, step in steps.items():

@@ -20,11 +20,10 @@ import time
 sys.path.insert(0, os.getcwd())
 
 import torch
-import triton
 
 import rope_bench as B
 import triton_rotary_launch as L
-from rope_bench_report import MODEL_POINT_BY_NAME, ScriptLog
+from rope_bench_report import MODEL_POINT_BY_NAME, ScriptLog, device_header, flat_outputs
 
 ROUNDS = 3
 # Short of 0.97 on one GPU or both in the runs of 2026-11-27, then three controls.
@@ -73,11 +72,6 @@ def variant(tiles):
         L._PLANS.clear()
 
 
-def flat(result):
-    outputs = result if isinstance(result, (tuple, list)) else (result,)
-    return torch.cat([o.float().flatten() for o in outputs if isinstance(o, torch.Tensor)])
-
-
 def run_point(name, say, rows, variants=VARIANTS, paths=("triton_positions",), dtype="bf16"):
     work = B._model_workload(MODEL_POINT_BY_NAME[name], DTYPES[dtype])
     x = work["x"]
@@ -90,7 +84,7 @@ def run_point(name, say, rows, variants=VARIANTS, paths=("triton_positions",), d
             first = None
             for v, tiles in variants.items():
                 with variant(tiles), torch.no_grad():
-                    out = flat(fn())
+                    out = flat_outputs(fn())
                     graphs[(mode, f"{path}:{v}" if len(paths) > 1 else v)] = B.graphed(fn)
                 if first is None:
                     first = out
@@ -140,8 +134,7 @@ def main():
     torch.manual_seed(0)
     out = ScriptLog()
     say, rows = out.say, out.rows
-    say(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
-        f"{triton.__version__}; kernels alone, fraction of an eager copy's speed; median of "
+    say(f"{device_header()}; kernels alone, fraction of an eager copy's speed; median of "
         f"{ROUNDS} rounds of do_bench; " + (
             "the rule against search tiles in 8 warps; triton = TE's table, triton_positions = "
             "angles from positions" if rule_ab else "positions path, bf16; variants: tile bytes_warps"))

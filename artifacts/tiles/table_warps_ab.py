@@ -21,11 +21,10 @@ import sys
 sys.path.insert(0, os.getcwd())
 
 import torch
-import triton
 
 import rope_bench as B
 import triton_rotary_launch as L
-from rope_bench_report import MODEL_POINT_BY_NAME, ScriptLog, table_bound
+from rope_bench_report import MODEL_POINT_BY_NAME, ScriptLog, device_header, flat_outputs, table_bound
 
 ROUNDS = 3
 POINTS = ["8B-TP1-q-8K", "8B-TP1-k-8K", "70B-TP1-q-8K", "h40-q-8K", "d80-h32-16K",
@@ -44,11 +43,6 @@ VARIANTS = {
 }
 PATHS = {"triton": ("table", VARIANTS), "triton_positions": ("positions", {"rule": G})}
 MODES = {"forward_kernel": "forward", "backward_kernel": "backward"}
-
-
-def flat(result):
-    outputs = result if isinstance(result, (tuple, list)) else (result,)
-    return torch.cat([o.float().flatten() for o in outputs if isinstance(o, torch.Tensor)])
 
 
 def ms(fn):
@@ -71,7 +65,7 @@ def run_point(name, dtype_name, say, rows):
             for variant, rule in variants.items():
                 L._PLANS.clear()
                 with L.use_launch_rule(rule), torch.no_grad():
-                    out = flat(fn())
+                    out = flat_outputs(fn())
                     graphs[(path, mode, variant)] = B.graphed(fn)
                 if first is None:
                     first = out
@@ -124,8 +118,7 @@ def main():
     torch.manual_seed(0)
     out = ScriptLog()
     say, rows = out.say, out.rows
-    say(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
-        f"{triton.__version__}; kernels alone, bf16, fraction of an eager copy's speed "
+    say(f"{device_header()}; kernels alone, bf16, fraction of an eager copy's speed "
         f"(table bound: copy + table bytes); median of {ROUNDS} rounds of do_bench")
     for v, rule in VARIANTS.items():
         say(f"  {v}: tiles of TE's table with >= {rule.table_warps_min_heads} heads in "
