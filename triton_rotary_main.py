@@ -280,9 +280,12 @@ class RotaryPositionEmbedding(torch.nn.Module):
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
         if not _is_number(rotary_base) or not rotary_base > 0:
             raise ValueError(f"rotary_base must be a positive number, got {rotary_base!r}")
-        if max_position_embeddings is not None and (not _is_number(max_position_embeddings)
-                                                    or not max_position_embeddings > 0):
-            raise ValueError(f"max_position_embeddings must be a positive number, got {max_position_embeddings!r}")
+        for name, value in (("max_position_embeddings", max_position_embeddings),
+                            ("seq_len_interpolation_factor", seq_len_interpolation_factor),
+                            ("pretrained_max_position_embeddings",
+                             pretrained_max_position_embeddings)):
+            if value is not None and (not _is_number(value) or not value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if rotary_percent < 1.0:
             dim = int(dim * rotary_percent)
         if dim == 0 or dim % 2:
@@ -330,15 +333,6 @@ class RotaryPositionEmbedding(torch.nn.Module):
         if not (math.isfinite(attention_scaling) and attention_scaling > 0):
             raise ValueError(f"rope_scaling={dict(rope_scaling)!r} gives an attention scaling of "
                              f"{attention_scaling}; it must be finite and > 0")
-        if seq_len_interpolation_factor is not None and (
-                not _is_number(seq_len_interpolation_factor) or not seq_len_interpolation_factor > 0):
-            raise ValueError(f"seq_len_interpolation_factor must be a finite number > 0 or None, got "
-                             f"{seq_len_interpolation_factor!r}")
-        if pretrained_max_position_embeddings is not None and (
-                not _is_number(pretrained_max_position_embeddings)
-                or not pretrained_max_position_embeddings > 0):
-            raise ValueError(f"pretrained_max_position_embeddings must be a finite number > 0 or "
-                             f"None, got {pretrained_max_position_embeddings!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.rotary_base = rotary_base
