@@ -3628,7 +3628,8 @@ def test_module_angles_are_kept_while_the_module_is_the_same():
     """A module's AngleSource is kept (made once, not on every call: `_module_fields`) while its
     buffers are the same tensors and its fields the same values, and the rotation follows what
     the module holds now: inv_freq changed in place, a new inv_freq, another attention scaling,
-    an M-RoPE module's pair_axis replaced (each against the unfused formula); inv_freq swapped
+    an M-RoPE module's pair_axis replaced (each against the unfused formula), a position
+    interpolation set afterwards (named, as when built with it); inv_freq swapped
     for float64 under the same tensor object is named, not read as float32."""
     L = triton_rotary_launch
     torch.manual_seed(5)
@@ -3652,6 +3653,11 @@ def test_module_angles_are_kept_while_the_module_is_the_same():
     check(module)
     module.attention_scaling = 0.5
     assert L.angle_source(module).scale == 0.5
+    check(module)
+    module.seq_len_interpolation_factor = 2         # its table now divides the positions
+    with pytest.raises(ValueError, match="interpolates positions"):
+        apply_rotary_pos_emb(t, module)
+    module.seq_len_interpolation_factor = None
     check(module)
 
     mrope = RotaryPositionEmbedding(16, mrope_section=[2, 3, 3], device=DEVICE)

@@ -459,17 +459,20 @@ _PLAIN_VALUES = (int, float, bool)
 
 
 def _module_fields(freqs):
-    """(inv_freq, pair_axis, n_axes, attention_scaling, interleaved) of a module as they are
-    now, or None where its source is not kept: not an nn.Module, inv_freq (or pair_axis, with
-    several axes) not a registered buffer, a field of another type than int, float or bool, or
-    under torch.compile (which traces the source made afresh).
+    """(inv_freq, pair_axis, n_axes, attention_scaling, interleaved,
+    seq_len_interpolation_factor) of a module as they are now, or None where its source is not
+    kept: not an nn.Module, inv_freq (or pair_axis, with several axes) not a registered buffer,
+    a field of another type than int, float or bool (the factor: or None), or under
+    torch.compile (which traces the source made afresh). A source is kept only once
+    `angle_source` has made it, so a module it refuses (an interpolating one) is never kept.
 
     INTERNAL(torch nn.Module._buffers, the dict of registered buffers; torch 2.11, 2.13): read
     for the buffers, a dict lookup where Module.__getattr__ costs about 0.7 µs each. A module
     without it warns once and has its source made on every call."""
     if not isinstance(freqs, torch.nn.Module) or torch.compiler.is_compiling():
         return None
-    buffers = vars(freqs).get("_buffers")
+    attributes = vars(freqs)
+    buffers = attributes.get("_buffers")
     if not isinstance(buffers, dict):
         _warn_once("module buffers", "keeps no nn.Module._buffers dict: a module's angles are "
                    "read afresh on every call", library=f"torch {torch.__version__}")
@@ -477,13 +480,14 @@ def _module_fields(freqs):
     n_axes = getattr(freqs, "n_axes", 1)
     scale = getattr(freqs, "attention_scaling", 1.0)
     interleaved = getattr(freqs, "interleaved", False)
+    factor = attributes.get("seq_len_interpolation_factor")
     if ("inv_freq" not in buffers or (n_axes != 1 and "pair_axis" not in buffers)
-            or vars(freqs).get("seq_len_interpolation_factor") not in (None, 1)
             or type(n_axes) not in _PLAIN_VALUES or type(scale) not in _PLAIN_VALUES
-            or type(interleaved) not in _PLAIN_VALUES):
+            or type(interleaved) not in _PLAIN_VALUES
+            or (factor is not None and type(factor) not in _PLAIN_VALUES)):
         return None
     return (buffers["inv_freq"], buffers["pair_axis"] if n_axes != 1 else None, n_axes, scale,
-            interleaved)
+            interleaved, factor)
 
 
 def _same_fields(kept, now):
