@@ -65,14 +65,12 @@ NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
 # thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
 # program, more of their (latency-bound) searches in flight at once; with angles from
-# positions and no norm, in SEARCH_WARPS warps. In 8 warps, bf16, on four H100 machines
-# (kernels alone, fraction of copy speed; artifacts/tiles/positions_tiles_ab_h100*.log,
-# positions_rule_ab_h100*.log): 2048 and 4096 packed sequences of 64 and 32 tokens and
-# lognormal lengths gained 0.003-0.013 at each, forward and backward (0.971-0.982 ->
-# 0.974-0.991), mixed lengths of 16-1024 tokens moved -0.005 to +0.006, fp32 within 0.004;
-# TE's table, which keeps NUM_WARPS, lost (0.963-0.978 -> 0.836-0.932, one machine). Not
-# measured on the H200, where 8 warps in 16 KiB search tiles ran 0.955 -> 0.867 at 2048
-# sequences (artifacts/tiles/tile_variants_ab_h200.log): 4 warps until it is.
+# positions and no norm, in SEARCH_WARPS warps. 8 warps instead of 4, bf16, kernels alone,
+# fraction of copy speed: on four H100 machines (artifacts/tiles/positions_tiles_ab_h100*.log,
+# positions_rule_ab_h100*.log) 2048 and 4096 packed sequences of 64 and 32 tokens and
+# lognormal lengths gained 0.003-0.013 (0.971-0.982 -> 0.974-0.991); on the H200
+# (positions_rule_ab_h200.log) the same uniform sequences lost 0.07-0.11 (0.947-0.955 ->
+# 0.839-0.886), lognormal and mixed lengths and fp32 moved within 0.01 either way. So 4.
 SEARCH_TILE_BYTES = 8192
 SEARCH_WARPS = 4
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
