@@ -95,7 +95,7 @@ from rope_test_support import (
     unfused_reference,
 )
 from te_comparator import load_te_rope
-from triton_rotary_kernel import Tokens, Variant, _program_tokens, _tile_sequences
+from triton_rotary_kernel import Tokens, Variant, _guessed_sequences, _program_tokens, _tile_sequences
 from triton_rotary_launch import set_rotary_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding,
@@ -3197,8 +3197,25 @@ def _tile_sequences_probe(cu_seqlens, SEQ, SEQ_START, SEQ_END, num_tokens, num_s
     tokens = Tokens(num_tokens, num_tokens, num_seqs, cp_size, 0)
     tok, ok, _, _ = _program_tokens(tl.program_id(0), tokens, cfg)
     seq, seq_start, seq_end = _tile_sequences(cu_seqlens, tl.program_id(0) * cfg.BLOCK_T,
-                                              (tok.to(tl.int64) + 1) * cp_size, num_seqs, cp_size,
-                                              cfg.SEARCH_LEVELS)
+                                              (tok.to(tl.int64) + 1) * cp_size, num_seqs,
+                                              num_tokens, cp_size, cfg.SEARCH_LEVELS,
+                                              cfg.SEARCH_GUESS)
+    tl.store(SEQ + tok, seq, mask=ok)
+    tl.store(SEQ_START + tok, seq_start, mask=ok)
+    tl.store(SEQ_END + tok, seq_end, mask=ok)
+
+
+@triton.jit
+def _guessed_sequences_probe(cu_seqlens, FOUND, SEQ, SEQ_START, SEQ_END, num_tokens, num_seqs,
+                             cp_size, cfg: tl.constexpr):
+    """`_guessed_sequences` alone for tiles of cfg.BLOCK_T tokens: whether it found the
+    tile's sequences (per tile) and what it gives (per token)."""
+    tokens = Tokens(num_tokens, num_tokens, num_seqs, cp_size, 0)
+    tok, ok, _, _ = _program_tokens(tl.program_id(0), tokens, cfg)
+    found, seq, seq_start, seq_end = _guessed_sequences(
+        cu_seqlens, tl.program_id(0) * cfg.BLOCK_T, (tok.to(tl.int64) + 1) * cp_size, num_seqs,
+        num_tokens)
+    tl.store(FOUND + tl.program_id(0), found)
     tl.store(SEQ + tok, seq, mask=ok)
     tl.store(SEQ_START + tok, seq_start, mask=ok)
     tl.store(SEQ_END + tok, seq_end, mask=ok)
@@ -3218,33 +3235,83 @@ _TILE_SEARCH_CASES = {
     "tokens before and after": (_lengths_cu([7, 0, 9, 30, 1, 1, 1, 12], start=5), 11, 1, 8),
     "context parallel": (_lengths_cu([8, 4, 12, 0, 16, 4] * 3), 0, 2, 4),
     "5000 sequences": (_lengths_cu([1, 2, 0, 3, 1] * 1000), 0, 1, 8),
+    # one long sequence among short ones: where lengths would put a tile is far from where it
+    # is, for most tiles
+    "skewed lengths": (_lengths_cu([1] * 100 + [1000] + [1] * 100), 0, 1, 8),
 }
+# Cases whose every tile's sequences lie in `_guessed_sequences`' window (fewer sequences
+# than the window, or lengths close enough to even), and cases where some do not.
+_GUESS_FINDS_ALL = {"long sequences", "one-token tiles", "short and empty sequences",
+                    "tokens before and after", "context parallel", "5000 sequences"}
+_GUESS_MISSES_SOME = {"skewed lengths"}
 
 
+def _sequence_search_case(case, index_dtype):
+    """(cu_seqlens, num_seqs, num_tokens, cp_size, block_t, three int result tensors filled
+    with -1, each token's expected sequence) of a _TILE_SEARCH_CASES case."""
+    cu, past_end, cp_size, block_t = _TILE_SEARCH_CASES[case]
+    num_tokens = cu[-1] // cp_size + past_end
+    results = [torch.full((num_tokens,), -1, dtype=index_dtype, device=DEVICE) for _ in range(3)]
+    local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
+    expected = (torch.searchsorted(local_cu, torch.arange(num_tokens), right=True) - 1).clamp(min=0)
+    return (torch.tensor(cu, dtype=index_dtype, device=DEVICE), len(cu) - 1, num_tokens, cp_size,
+            block_t, results, expected)
+
+
+def _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected, tokens=None):
+    """The tokens' (all, or those at index `tokens`) sequences, starts and ends are those of
+    searchsorted (`expected`)."""
+    cu = cu_seqlens.cpu().long()
+    seq, seq_start, seq_end = (x.cpu().long() for x in (seq, seq_start, seq_end))
+    if tokens is not None:
+        seq, seq_start, seq_end, expected = seq[tokens], seq_start[tokens], seq_end[tokens], expected[tokens]
+    assert seq.tolist() == expected.tolist()
+    assert seq_start.tolist() == cu[expected].tolist()
+    assert seq_end.tolist() == cu[(expected + 1).clamp(max=num_seqs)].tolist()
+
+
+@pytest.mark.parametrize("guess", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("case", list(_TILE_SEARCH_CASES))
-def test_tile_sequence_search_matches_searchsorted(case, index_dtype):
+def test_tile_sequence_search_matches_searchsorted(case, index_dtype, guess):
     """Each token's sequence (the last i with cu[i] // cp_size <= token, 0 if none) and its
     bounds, whether the tile's tokens come from the vector after the first token's sequence
-    or (many sequence ends in one tile) from a search of their own."""
-    cu, past_end, cp_size, block_t = _TILE_SEARCH_CASES[case]
-    cu_seqlens = torch.tensor(cu, dtype=index_dtype, device=DEVICE)
-    num_seqs = len(cu) - 1
-    num_tokens = cu[-1] // cp_size + past_end
-    seq, seq_start, seq_end = (torch.full((num_tokens,), -1, dtype=index_dtype, device=DEVICE)
-                               for _ in range(3))
+    or (many sequence ends in one tile) from a search of their own, and with SEARCH_GUESS,
+    from the guessed window where it holds them."""
+    cu_seqlens, num_seqs, num_tokens, cp_size, block_t, (seq, seq_start, seq_end), expected = (
+        _sequence_search_case(case, index_dtype))
     cfg = Variant(BLOCK_T=block_t, BLOCK_H=1, BLOCK_HALF=1, BLOCK_PASS=0, INTERLEAVED=False,
                   BACKWARD=False, SEQ_MAJOR=True, HAS_START=False, WIDE_INNER=False,
                   ANGLES_FROM_POSITIONS=False, POSITIONS_FROM=0, FLAT_GRID=False, IS_THD=True,
-                  SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs))
+                  SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs), SEARCH_GUESS=guess)
     _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
         cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, cfg)
-    local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
-    tokens = torch.arange(num_tokens)
-    expected = (torch.searchsorted(local_cu, tokens, right=True) - 1).clamp(min=0)
-    assert seq.cpu().tolist() == expected.tolist()
-    torch.testing.assert_close(seq_start.cpu().long(), torch.tensor(cu)[expected])
-    torch.testing.assert_close(seq_end.cpu().long(), torch.tensor(cu)[(expected + 1).clamp(max=num_seqs)])
+    _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected)
+
+
+@pytest.mark.parametrize("case", sorted(_GUESS_FINDS_ALL | _GUESS_MISSES_SOME))
+def test_guessed_sequences_are_right_where_found(case):
+    """The guessed window (`_guessed_sequences`) says it found a tile's sequences at every
+    tile where lengths are even or sequences fewer than the window, and not at some tiles of
+    skewed lengths; wherever it says found, every token's sequence and bounds are
+    searchsorted's."""
+    cu_seqlens, num_seqs, num_tokens, cp_size, block_t, (seq, seq_start, seq_end), expected = (
+        _sequence_search_case(case, torch.int32))
+    tiles = triton.cdiv(num_tokens, block_t)
+    found = torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE)
+    cfg = Variant(BLOCK_T=block_t, BLOCK_H=1, BLOCK_HALF=1, BLOCK_PASS=0, INTERLEAVED=False,
+                  BACKWARD=False, SEQ_MAJOR=True, HAS_START=False, WIDE_INNER=False,
+                  ANGLES_FROM_POSITIONS=False, POSITIONS_FROM=0, FLAT_GRID=False, IS_THD=True)
+    _guessed_sequences_probe[(tiles,)](cu_seqlens, found, seq, seq_start, seq_end, num_tokens,
+                                       num_seqs, cp_size, cfg)
+    found = found.cpu()
+    assert set(found.tolist()) <= {0, 1}
+    if case in _GUESS_FINDS_ALL:
+        assert found.all()
+    else:
+        assert 0 < int(found.sum()) < tiles
+    tokens = found.repeat_interleave(block_t)[:num_tokens].bool()
+    _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected, tokens)
 
 
 @pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
@@ -3520,10 +3587,12 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
 def test_thd_tile_loads_are_issued_before_the_sequence_search():
     """A thd tile's own loads (16-byte vectors of bf16) come first in the SASS, ahead of the
     search of cu_seqlens for its tokens' sequences (loads evict_last), for angles from
-    positions and from a table. Without the barrier after them, ptxas puts them after the
-    whole chain of the search."""
+    positions and from a table, with the guessed window (SEARCH_GUESS) or without. Without the
+    barrier after them, ptxas puts them after the whole chain of the search."""
     thd = dict(BLOCK_T=4, BLOCK_H=8, BLOCK_HALF=32, IS_THD=True, SEARCH_LEVELS=6)
-    for tile in _compile_tiles(thd, dict(thd, ANGLES_FROM_POSITIONS=False)):
+    table = dict(thd, ANGLES_FROM_POSITIONS=False)
+    for tile in _compile_tiles(thd, table, dict(table, SEARCH_GUESS=True),
+                               dict(thd, BLOCK_T=1, BLOCK_H=32, SEARCH_GUESS=True)):
         assert tile["loads"][:3] == ["LDG.E.128", "LDG.E.128", "LDG.E.EL"], tile["loads"]
 
 
@@ -3801,6 +3870,45 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
         ("thd positions given", False): 4, ("thd positions given", True): 4,
         ("q, k, table", False): [2],
     }, found
+
+
+def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
+    """Without a norm, a thd call that searches cu_seqlens with angles from positions takes
+    search tiles (rule.search_tile_bytes) where a token is narrower than
+    rule.search_positions_wide_token, and plain tiles (rule.tile_bytes) from there on, or
+    always where that is 0; TE's table always takes search tiles. The guessed window
+    (Variant.SEARCH_GUESS) is on where rule.search_guess says so for TE's table and for the
+    plain tiles of wide tokens, not for search tiles with angles from positions nor with a
+    norm. Only the plans are read."""
+    L = triton_rotary_launch
+    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    table = module(64)
+    # A head is 16 float32 channels, 64 bytes: a token of 4 heads is 256 bytes.
+    rule = L.launch_rule()._replace(tile_bytes=256, search_tile_bytes=1024,
+                                    search_positions_wide_token=256, search_guess=True,
+                                    min_programs_per_sm=0)
+    thd = dict(tensor_format="thd", cu_seqlens=torch.tensor([0, 30, 64], dtype=torch.int32,
+                                                            device=DEVICE))
+    wide, narrow = torch.randn(64, 4, 16, device=DEVICE), torch.randn(64, 2, 16, device=DEVICE)
+    norm = L.RMSNorm(torch.ones(16, device=DEVICE), 1e-6, 0.0, "head")
+
+    def tile(rule, t, freqs, **options):
+        L._PLANS.clear()
+        with L.use_launch_rule(rule):
+            L.set_rotary_kernel(t, freqs, **thd, **options)
+        cfg = [p.launch.cfg for p in L._PLANS.values()][0]
+        return cfg.BLOCK_T, cfg.BLOCK_H, cfg.SEARCH_GUESS
+
+    assert tile(rule, wide, module) == (1, 4, True)            # 256-byte tokens: plain tiles
+    assert tile(rule, narrow, module) == (8, 2, False)         # 128-byte tokens: 1024 bytes
+    assert tile(rule._replace(search_positions_wide_token=0), wide, module) == (4, 4, False)
+    assert tile(rule._replace(search_guess=False), wide, module) == (1, 4, False)
+    assert tile(rule, wide, table) == (4, 4, True)
+    assert tile(rule, narrow, table) == (8, 2, True)
+    assert tile(rule._replace(search_guess=False), wide, table) == (4, 4, False)
+    assert tile(rule, wide, table, norm=norm)[2] is False
+    assert tile(rule, wide, module, norm=norm)[2] is False
 
 
 def _norm_forward_plans(t, freqs, **options):

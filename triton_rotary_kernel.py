@@ -193,6 +193,8 @@ class Variant(NamedTuple):
     FLAT_GRID: bool             # head and token blocks share grid axis 0 (launcher: _program_grid)
     IS_THD: bool = False        # tokens [t, h, d]; sequences from cu_seqlens or positions
     SEARCH_LEVELS: int = 0      # thd: steps of the search over cu_seqlens (launcher: _search_levels)
+    SEARCH_GUESS: bool = False  # thd: read a window of cu_seqlens where lengths would put the
+    #                             tile before searching it (`_guessed_sequences`)
     BLOCK_KV: int = 0           # fused QKV, q and k together: key (and value) heads per program
     BLOCK_V: int = 0            # fused QKV: power of two >= v_dim
     INVERSE: bool = False       # rotate by the negated angles (see the module docstring)
@@ -397,6 +399,7 @@ class PositionsTile(NamedTuple):
     HAS_START: bool
     SEARCH_LEVELS: int
     IS_THD: bool = True
+    SEARCH_GUESS: bool = False  # its tiles of SEQUENCE_POSITIONS_BLOCK tokens search (not measured)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -1011,8 +1014,9 @@ def _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, c
         # cu[i] < (tok + 1) * cp_size (no integer division).
         next_start = (tok.to(tl.int64) + 1) * cp_size
         batch_idx, seq_start, seq_end = _tile_sequences(positions.cu_seqlens, first_tok,
-                                                        next_start, num_seqs, cp_size,
-                                                        cfg.SEARCH_LEVELS)
+                                                        next_start, num_seqs,
+                                                        tokens.num_tokens, cp_size,
+                                                        cfg.SEARCH_LEVELS, cfg.SEARCH_GUESS)
         seq_start = (seq_start // cp_size).to(tl.int64)
         seq_end = (seq_end // cp_size).to(tl.int64)
         # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
@@ -1040,13 +1044,64 @@ def _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, c
 SEARCH_FAN = tl.constexpr(4)
 TILE_FAN = tl.constexpr(16)
 TILE_SCAN = tl.constexpr(8)
+# The window `_guessed_sequences` reads: GUESS_WINDOW entries of cu_seqlens from GUESS_BEFORE
+# before the guessed sequence.
+GUESS_WINDOW = tl.constexpr(32)
+GUESS_BEFORE = tl.constexpr(8)
 
 
 @triton.jit
-def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, cp_size,
-                    SEARCH_LEVELS: tl.constexpr):
+def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_size,
+                    SEARCH_LEVELS: tl.constexpr, SEARCH_GUESS: tl.constexpr):
     """(sequence index, cu[index], cu[index + 1]) of each of a tile's consecutive tokens: the
     last i in [0, num_seqs] with cu[i] < next_start (0 when there is none).
+
+    With SEARCH_GUESS, from one load where `_guessed_sequences` finds them all, else (and
+    without it) by `_searched_sequences`."""
+    if SEARCH_GUESS:
+        found, seq, seq_start, seq_end = _guessed_sequences(cu_seqlens, first_tok, next_start,
+                                                            num_seqs, num_tokens)
+        if found == 0:
+            seq, seq_start, seq_end = _searched_sequences(cu_seqlens, first_tok, next_start,
+                                                          num_seqs, cp_size, SEARCH_LEVELS)
+    else:
+        seq, seq_start, seq_end = _searched_sequences(cu_seqlens, first_tok, next_start,
+                                                      num_seqs, cp_size, SEARCH_LEVELS)
+    return seq, seq_start, seq_end
+
+
+@triton.jit
+def _guessed_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens):
+    """(found, sequence index, cu[index], cu[index + 1]) of each of a tile's tokens as
+    `_tile_sequences` gives them, from one vector load: the GUESS_WINDOW entries of cu_seqlens
+    around first_tok * num_seqs / num_tokens, the first token's sequence were all sequences
+    of one length. found (int32, 0 or 1): every token's index and both its entries lie in the
+    window, so the rest is its answer (always with sequences of one length, or fewer than
+    GUESS_WINDOW); where 0, the rest is not to be used. A token's index is lo + (entries of
+    the window below next_start) - 1: known where the window holds an entry below it (or
+    starts at 0) and one not below it (or ends at num_seqs)."""
+    j = tl.arange(0, GUESS_WINDOW)
+    guess = first_tok.to(tl.int64) * num_seqs // num_tokens
+    lo = tl.maximum(tl.minimum(guess - GUESS_BEFORE, num_seqs - (GUESS_WINDOW - 1)), 0)
+    hi = tl.minimum(lo + (GUESS_WINDOW - 1), num_seqs)
+    # Past num_seqs the entries repeat cu[num_seqs], so entry j + 1 is still the end of the
+    # last sequence.
+    entry = tl.load(cu_seqlens + tl.minimum(lo + j, num_seqs), eviction_policy="evict_last")
+    below = tl.sum(((lo + j <= hi)[None, :] & (entry[None, :] < next_start[:, None])
+                    ).to(tl.int32), axis=1)
+    known = ((below > 0) | (lo == 0)) & ((lo + below <= hi) | (hi == num_seqs))
+    at = tl.maximum(below - 1, 0)                    # the token's index, less lo
+    seq_start = tl.sum(tl.where(j[None, :] == at[:, None], entry[None, :], 0), axis=1)
+    end_at = tl.minimum(at + 1, GUESS_WINDOW - 1)
+    seq_end = tl.sum(tl.where(j[None, :] == end_at[:, None], entry[None, :], 0), axis=1)
+    found = tl.min(known.to(tl.int32), axis=0)
+    return found, (lo + at).to(tl.int32), seq_start, seq_end
+
+
+@triton.jit
+def _searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, cp_size,
+                        SEARCH_LEVELS: tl.constexpr):
+    """`_tile_sequences`' answer by search.
 
     The tile's first token is searched once for the whole program (uniform loads, one
     vector of cu_seqlens per step); the others lie in the TILE_SCAN - 1 sequences after it,

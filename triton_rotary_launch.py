@@ -65,14 +65,31 @@ NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
 # thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
 # program, more of their (latency-bound) searches in flight at once; with angles from
-# positions and no norm, in SEARCH_WARPS warps. 8 warps instead of 4, bf16, kernels alone,
-# fraction of copy speed: on four H100 machines (artifacts/tiles/positions_tiles_ab_h100*.log,
-# positions_rule_ab_h100*.log) 2048 and 4096 packed sequences of 64 and 32 tokens and
-# lognormal lengths gained 0.003-0.013 (0.971-0.982 -> 0.974-0.991); on the H200
-# (positions_rule_ab_h200.log) the same uniform sequences lost 0.07-0.11 (0.947-0.955 ->
-# 0.839-0.886), lognormal and mixed lengths and fp32 moved within 0.01 either way. So 4.
+# positions, in SEARCH_WARPS warps, and only where a tile holds several tokens: a token of
+# SEARCH_POSITIONS_WIDE_TOKEN bytes or more (all its heads) takes TILE_BYTES, as a call that
+# does not search. Kernels alone, fraction of copy speed, the rule with both against neither
+# of that and SEARCH_GUESS (artifacts/tiles/positions_rule_ab_h200_5.log, _h100_4.log):
+# 16 heads of d 128 in bf16 0.94 -> 0.98 on the H200, 0.97 -> 0.975 on the H100; float32
+# packed points 0.96-0.97 -> 0.995-1.004 / 0.990-1.003. Where a 4 KiB tile would hold
+# several tokens (8 heads in bf16) it ran 0.95 -> 0.86-0.93 on the H200
+# (positions_rule_ab_h200_3.log, _4.log). 8 warps instead of 4, bf16: on four H100 machines
+# (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and 4096 packed
+# sequences of 64 and 32 tokens and lognormal lengths gained 0.003-0.013 (0.971-0.982 ->
+# 0.974-0.991); on the H200 (positions_rule_ab_h200.log) the same uniform sequences lost
+# 0.07-0.11 (0.947-0.955 -> 0.839-0.886). So 4.
 SEARCH_TILE_BYTES = 8192
 SEARCH_WARPS = 4
+SEARCH_POSITIONS_WIDE_TOKEN = TILE_BYTES
+# thd search tiles first read the window of cu_seqlens where the tile would lie were all
+# sequences of one length, and search only where it does not hold all their tokens' sequences
+# (`_guessed_sequences`): a chain of one load instead of up to five. Kernels alone, with it
+# against without (positions_rule_ab_h200_5.log, _h100_4.log): TE's table on the H200
+# +0.003-0.019 of copy speed at lognormal and mixed lengths and at float32 uniform ones,
+# -0.006 to +0.001 at bf16 uniform ones; on the H100 +0.001-0.005 at bf16 and float32 uniform
+# lengths; angles from positions in tiles of wide tokens up to +0.01 (float32). Not in
+# tiles of several tokens with angles from positions: the VLM key (8 tokens a tile) lost up
+# to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log).
+SEARCH_GUESS = True
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
@@ -245,7 +262,9 @@ QK_NORM_OVERLAP = True
 # It has no software pipeliner (and those of Triton 3.5.1 and 3.6 fail on a `range` over
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
 # gives each thread INTERPRETER_TILE_BYTES elements, more than a tile holds, so every tile is
-# one warp and INTERPRETER_NORM_PROGRAMS warps per "SM" are as many programs.
+# one warp and INTERPRETER_NORM_PROGRAMS warps per "SM" are as many programs. Every thd token
+# counts as wide (SEARCH_POSITIONS_WIDE_TOKEN 1): its tiles are of one size, and tiles with
+# angles from positions then take the guessed window, as a GPU's of wide tokens do.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
 INTERPRETER_NORM_ROWS = 1024
@@ -259,6 +278,8 @@ class LaunchRule(NamedTuple):
     min_programs_per_sm: int    # the interpreter counts as one SM
     search_tile_bytes: int
     search_warps: int
+    search_positions_wide_token: int    # 0: never
+    search_guess: bool
     qkv_tile_bytes: int
     table_warps: int
     table_warps_min_heads: int
@@ -281,7 +302,7 @@ class LaunchRule(NamedTuple):
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, SEARCH_WARPS,
-                      QKV_TILE_BYTES,
+                      SEARCH_POSITIONS_WIDE_TOKEN, SEARCH_GUESS, QKV_TILE_BYTES,
                       TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NORM_WARPS, NORM_ONE_HEAD_WARPS,
                       NORM_POSITIONS_TILE_BYTES, NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS,
                       NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
@@ -291,7 +312,8 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
                       QK_NORM_OVERLAP)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
-                              INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_TILE_BYTES,
+                              INTERPRETER_TILE_BYTES, NUM_WARPS, 1, SEARCH_GUESS,
+                              INTERPRETER_TILE_BYTES,
                               TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NUM_WARPS, NUM_WARPS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
@@ -1362,6 +1384,12 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     # A norm covers every channel: a row of its tile is the whole head, and the channels past
     # rotary_dim are written in place too.
     tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
+    # One tensor without a norm (where SEARCH_TILE_BYTES and SEARCH_GUESS were measured)
+    lone_search = searches and norm is None and k is None
+    wide_positions = lone_search and source.from_positions and (
+        0 < rule.search_positions_wide_token <= shape.nheads * shape.head_dim * t.element_size())
+    if wide_positions:
+        tile_bytes = rule.tile_bytes                    # SEARCH_TILE_BYTES says why
     if norm_backward:
         tile_bytes = _norm_backward_tile_bytes(rule, source, shape.head_dim, t.element_size())
     positions_tile = (norm is not None and not backward
@@ -1408,6 +1436,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   FLAT_GRID=flat_grid, IS_THD=is_thd,
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
+                  SEARCH_GUESS=(rule.search_guess and lone_search
+                                and (wide_positions or not source.from_positions)),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   NORM_AFTER_ANGLES=(norm is not None and not backward
                                      and _norm_after_angles(source, tile, norm, searches,

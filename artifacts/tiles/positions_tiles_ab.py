@@ -6,10 +6,12 @@ eager device copy of the same bytes, the peers (flash-attn's and Liger's rotary)
     python artifacts/tiles/positions_tiles_ab.py OUT [POINT ...]   # on a GPU, from the repo root
     python artifacts/tiles/positions_tiles_ab.py --rule OUT [POINT ...]
 
-With --rule, the launch rule against search tiles in 8 warps (`search_8_warps`: the rule
-with search_warps=8, SEARCH_TILE_BYTES says why), at the thd points that search cu_seqlens
-and a control, for both paths (TE's table, whose plans it leaves alone, as a control), in
-bf16 and fp32; writes OUT/positions_rule_ab.log and .json.
+With --rule, the launch rule against itself with one of its thd search choices undone
+(SEARCH_TILE_BYTES and SEARCH_GUESS say why each is made): tokens of
+SEARCH_POSITIONS_WIDE_TOKEN bytes or more in search tiles of SEARCH_TILE_BYTES (`no_wide`),
+search tiles without the guessed window (`no_guess`), and both (`before`), at the thd points
+that search cu_seqlens, for both paths (TE's table and angles from positions), in bf16 and
+fp32; writes OUT/positions_rule_ab.log and .json.
 """
 import contextlib
 import os
@@ -35,9 +37,11 @@ POINTS = ["hf-view-q-8K", "thd-2048x64-h8", "thd-mixed-16K-h32", "thd-lognormal-
 VARIANTS = {"rule": None, "2K_2w": (2048, 2), "4K_2w": (4096, 2), "8K_2w": (8192, 2),
             "8K_8w": (8192, 8), "16K_8w": (16384, 8)}
 G = L.GPU_RULE
-RULE_VARIANTS = {"rule": G, "search_8_warps": G._replace(search_warps=8)}
+RULE_VARIANTS = {"rule": G, "no_wide": G._replace(search_positions_wide_token=0),
+                 "no_guess": G._replace(search_guess=False),
+                 "before": G._replace(search_positions_wide_token=0, search_guess=False)}
 RULE_POINTS = ["thd-2048x64-h8", "thd-4096x32-h8", "thd-mixed-16K-h32", "thd-lognormal-32K-h16",
-               "VLM-7B-k-thd-8x8K"]
+               "VLM-7B-k-thd-8x8K", "VLM-7B-q-thd-8x8K"]
 RULE_DTYPES = ("bf16", "fp32")
 PEER_LINES = ("flash_attn", "liger")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -136,7 +140,7 @@ def main():
     say, rows = out.say, out.rows
     say(f"{device_header()}; kernels alone, fraction of an eager copy's speed; median of "
         f"{ROUNDS} rounds of do_bench; " + (
-            "the rule against search tiles in 8 warps; triton = TE's table, triton_positions = "
+            "the rule against its thd search choices undone; triton = TE's table, triton_positions = "
             "angles from positions" if rule_ab else "positions path, bf16; variants: tile bytes_warps"))
     start = time.time()
     todo = ([(p, dt) for dt in RULE_DTYPES for p in points] if rule_ab
