@@ -2554,6 +2554,12 @@ BAD_INPUTS = [
      "norm_eps must be a float, got str"),
     ("norm_offset nan", lambda a: a.update(norm_weight=torch.ones(16, device=DEVICE), norm_offset=float("nan")),
      ValueError, "norm_offset must be finite"),
+    # Without a weight there is no norm, but a wrong option is still a wrong argument.
+    ("norm_over unknown, no weight", lambda a: a.update(norm_over="tokens"), ValueError,
+     "norm_over must be 'head' or 'token', got 'tokens'"),
+    ("norm_eps negative, no weight", lambda a: a.update(norm_eps=-1.0), ValueError, "norm_eps must be >= 0"),
+    ("norm_offset a tensor, no weight", lambda a: a.update(norm_offset=torch.ones(2)), TypeError,
+     "norm_offset must be a float, got Tensor"),
     # Sparse and nested tensors have no strides for the kernel to read.
     ("t sparse", lambda a: a.update(t=a["t"].to_sparse()), TypeError,
      "t must be a strided (dense) tensor, got layout torch.sparse_coo"),
@@ -2724,6 +2730,24 @@ def test_qk_pair_names_a_missing_tensor():
                 with pytest.raises(ValueError, match=f"{name} must have shape"):
                     apply_rotary_pos_emb_qk(q_, k_, freqs, fused=fused, q_norm_weight=weights[0],
                                             k_norm_weight=weights[1])
+
+
+def test_norm_options_are_checked_without_a_weight():
+    """A wrong norm_over, norm_eps or norm_offset is named by the q-and-k and fused-QKV entry
+    points without norm weights too (apply_rotary_pos_emb's: BAD_INPUTS), fused or not."""
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    q, k = torch.randn(8, 2, 3, 16, device=DEVICE), torch.randn(8, 2, 1, 16, device=DEVICE)
+    qkv = torch.randn(8, 2, 2, 64, device=DEVICE)
+    bad = ((dict(norm_over="channel"), ValueError, "norm_over must be 'head' or 'token'"),
+           (dict(norm_eps=-1.0), ValueError, "norm_eps must be >= 0"),
+           (dict(norm_offset="1"), TypeError, "norm_offset must be a float, got str"))
+    for options, error, message in bad:
+        for fused in (True, False):
+            with pytest.raises(error, match=re.escape(message)):
+                apply_rotary_pos_emb_qk(q, k, freqs, fused=fused, **options)
+        if "norm_over" not in options:
+            with pytest.raises(error, match=re.escape(message)):
+                apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], **options)
 
 
 def test_qkv_backward_grads_and_overlapping_out_are_rejected():

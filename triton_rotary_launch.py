@@ -550,18 +550,20 @@ def check_norm(norm, t, nheads, head_dim, prefix="norm_"):
                         f"{weight.dtype}")
     if weight.device != t.device:
         raise TypeError(f"{prefix}weight is on {weight.device} but the input is on {t.device}")
-    if not isinstance(norm.over, str) or norm.over not in NORM_OVER:
-        raise ValueError(f"norm_over must be 'head' or 'token', got {norm.over!r}")
+    check_norm_options(norm.eps, norm.offset, norm.over)
     size = head_dim if norm.over == "head" else nheads * head_dim
     if weight.dim() != 1 or weight.numel() != size:
         what = "d" if norm.over == "head" else "h * d"
         raise ValueError(f"{prefix}weight must have shape [{what}] = [{size}] for "
                          f"norm_over={norm.over!r}, got {tuple(weight.shape)}")
-    check_norm_scalars(norm.eps, norm.offset)
 
 
-def check_norm_scalars(eps, offset):
-    """norm_eps and norm_offset: finite real numbers, eps >= 0."""
+def check_norm_options(eps, offset, over):
+    """norm_eps and norm_offset: finite real numbers, eps >= 0; norm_over: 'head' or 'token'.
+    Checked with or without a weight: a call without one ignores them, but a wrong value is
+    still a wrong argument."""
+    if not isinstance(over, str) or over not in NORM_OVER:
+        raise ValueError(f"norm_over must be 'head' or 'token', got {over!r}")
     for name, value in (("norm_eps", eps), ("norm_offset", offset)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")

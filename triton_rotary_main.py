@@ -23,8 +23,8 @@ from triton_rotary_launch import (
     angle_source,
     check_layout,
     check_norm,
+    check_norm_options,
     check_norm_pair,
-    check_norm_scalars,
     check_qk_norms,
     check_qk_pair,
     check_qkv_args,
@@ -492,13 +492,21 @@ def _eager_transposed(ctx):
             call.inverse)
 
 
+# The types and values of the entry points' norm options (eps, offset, over) as their
+# signatures default them: types first, so that the comparison stops at an odd type.
+_NORM_DEFAULTS = (float, float, str, 1e-6, 0.0, "head")
+
+
 def _rms_norm(weight, eps, offset, over):
     """The entry points' norm arguments as an RMSNorm (None without a weight), eps and offset
-    as floats (the custom ops' schema); the weight is checked against the input with the
-    rest of the call (`check_norm`)."""
+    as floats (the custom ops' schema). The options are checked here, with or without a
+    weight (without one, only where they are not the defaults: a call that has no norm pays
+    one comparison); the weight against the input with the rest of the call (`check_norm`)."""
     if weight is None:
+        if (type(eps), type(offset), type(over), eps, offset, over) != _NORM_DEFAULTS:
+            check_norm_options(eps, offset, over)
         return None
-    check_norm_scalars(eps, offset)
+    check_norm_options(eps, offset, over)
     return RMSNorm(weight, float(eps), float(offset), over)
 
 
