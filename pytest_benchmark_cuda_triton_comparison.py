@@ -2454,6 +2454,30 @@ def test_module_table_bad_arguments_raise(args, error, match):
         RotaryPositionEmbedding(16, device="cpu")(*args)
 
 
+def test_numpy_scalars_are_taken_as_numbers():
+    """A number argument given as a numpy scalar (as configs read through numpy hold them) is
+    taken as the Python number of the same value: the same angles and outputs; a NaN one is
+    still refused as a number that is not finite."""
+    np = pytest.importorskip("numpy")
+    t = torch.randn(8, 1, 2, 64, device=DEVICE)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    for kwargs, as_numpy in (
+            (dict(rotary_base=10000.0), dict(rotary_base=np.float32(10000.0))),
+            (dict(rotary_percent=0.5, max_position_embeddings=4096),
+             dict(rotary_percent=np.float32(0.5), max_position_embeddings=np.int64(4096))),
+            (dict(rope_scaling=dict(yarn, beta_fast=16.0)),
+             dict(rope_scaling=dict(yarn, beta_fast=np.float32(16.0))))):
+        ours = RotaryPositionEmbedding(64, device=DEVICE, **as_numpy)
+        assert torch.equal(ours(8), RotaryPositionEmbedding(64, device=DEVICE, **kwargs)(8)), kwargs
+    freqs, weight = RotaryPositionEmbedding(64, device=DEVICE)(8), torch.rand(64, device=DEVICE)
+    assert torch.equal(apply_rotary_pos_emb(t, freqs, norm_weight=weight, norm_eps=np.float32(0.25)),
+                       apply_rotary_pos_emb(t, freqs, norm_weight=weight, norm_eps=0.25))
+    with pytest.raises(ValueError, match=re.escape("rope_scaling['beta_fast'] must be a finite number")):
+        RotaryPositionEmbedding(64, rope_scaling=dict(yarn, beta_fast=np.float32("nan")))
+    with pytest.raises(ValueError, match="norm_eps must be finite"):
+        apply_rotary_pos_emb(t, freqs, norm_weight=weight, norm_eps=np.float32("inf"))
+
+
 def test_from_hf_config_bad_configs_raise():
     with pytest.raises(ValueError, match="head_dim"):
         RotaryPositionEmbedding.from_hf_config({"rope_theta": 10000.0})

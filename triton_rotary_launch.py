@@ -372,9 +372,15 @@ class AngleSource(NamedTuple):
     interleaved: object       # the module's pair layout; None for a table
 
 
-def _is_finite_number(x):
-    """A real number (not a bool) that is finite."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+def is_real_number(x):
+    """A real number that is not a bool: an int, a float or a numpy scalar, what an argument
+    documented as a float takes (the one rule for every such argument)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_finite_number(x):
+    """A real number (`is_real_number`) that is finite."""
+    return is_real_number(x) and math.isfinite(x)
 
 
 def _check_source(source, name):
@@ -387,7 +393,7 @@ def _check_source(source, name):
                         f"{type(source.from_positions).__name__}")
     if isinstance(source.n_axes, bool) or not isinstance(source.n_axes, int) or source.n_axes < 1:
         raise ValueError(f"{name}: n_axes must be an int >= 1, got {source.n_axes!r}")
-    if not _is_finite_number(source.scale):
+    if not is_finite_number(source.scale):
         raise ValueError(f"{name}: scale must be a finite number, got {source.scale!r}")
     if source.interleaved is not None and not isinstance(source.interleaved, bool):
         raise TypeError(f"{name}: interleaved must be a bool or None, got "
@@ -455,7 +461,7 @@ def angle_source(freqs, name="freqs"):
                         f"{getattr(pair_axis, 'dtype', pair_axis)} "
                         f"{tuple(getattr(pair_axis, 'shape', ()))}")
     scale = getattr(freqs, "attention_scaling", 1.0)
-    if not _is_finite_number(scale):
+    if not is_finite_number(scale):
         raise ValueError(f"{name}.attention_scaling must be a finite number, got {scale!r}")
     interleaved = getattr(freqs, "interleaved", False)
     if not isinstance(interleaved, bool):
@@ -565,7 +571,7 @@ def check_norm_options(eps, offset, over):
     if not isinstance(over, str) or over not in NORM_OVER:
         raise ValueError(f"norm_over must be 'head' or 'token', got {over!r}")
     for name, value in (("norm_eps", eps), ("norm_offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_real_number(value):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
         if not abs(value) < float("inf"):
             raise ValueError(f"{name} must be finite, got {value}")

@@ -30,6 +30,8 @@ from triton_rotary_launch import (
     check_qkv_args,
     check_qkv_norms,
     check_rope_args,
+    is_finite_number,
+    is_real_number,
     qkv_outputs,
     set_rotary_kernel,
     set_rotary_kernel_transposed,
@@ -57,19 +59,14 @@ _UNSUPPORTED_ROPE_TYPES = {
 }
 
 
-def _is_number(x) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _rope_number(rope_scaling, key, rope_type, *, allow_none=False, positive=True):
     if key not in rope_scaling:
         raise ValueError(f"rope_scaling[{key!r}] is required for rope_type {rope_type!r}")
     value = rope_scaling[key]
     if value is None and allow_none:
         return None
-    if not _is_number(value):
-        raise (ValueError if isinstance(value, float) else TypeError)(
+    if not is_finite_number(value):
+        raise (ValueError if is_real_number(value) else TypeError)(
             f"rope_scaling[{key!r}] must be a finite number, got {value!r}")
     if positive and not value > 0:
         raise ValueError(f"rope_scaling[{key!r}] must be > 0, got {value!r}")
@@ -96,7 +93,7 @@ def _original_max_positions(rope_scaling, max_position_embeddings, rope_type):
     if value is None:
         raise ValueError(f"rope_type {rope_type!r} needs rope_scaling['original_max_position_embeddings'] "
                          "or max_position_embeddings")
-    if not _is_number(value) or not value > 0:
+    if not is_finite_number(value) or not value > 0:
         raise ValueError(f"original_max_position_embeddings must be a positive number, got {value!r}")
     return value
 
@@ -147,20 +144,20 @@ def _yarn_inv_freq(base, d2, rope_scaling, max_position_embeddings):
     if attention_factor is None:
         mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
         for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
-            if value is not None and not _is_number(value):
+            if value is not None and not is_finite_number(value):
                 raise ValueError(f"rope_scaling[{key!r}] must be a finite number, got {value!r}")
         if mscale and mscale_all_dim:
             attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
         else:
             attention_factor = _yarn_mscale(factor)
-    elif not _is_number(attention_factor) or not attention_factor > 0:
+    elif not is_finite_number(attention_factor) or not attention_factor > 0:
         raise ValueError(f"rope_scaling['attention_factor'] must be a finite number > 0, got "
                          f"{attention_factor!r}")
     # falsy values (None, 0) fall back to the paper's defaults, as in transformers
     beta_fast = rope_scaling.get("beta_fast") or 32
     beta_slow = rope_scaling.get("beta_slow") or 1
     for key, value in (("beta_fast", beta_fast), ("beta_slow", beta_slow)):
-        if not _is_number(value) or not value > 0:
+        if not is_finite_number(value) or not value > 0:
             raise ValueError(f"rope_scaling[{key!r}] must be a finite number > 0, got {value!r}")
     if not isinstance(rope_scaling.get("truncate", True), bool):
         raise TypeError(f"rope_scaling['truncate'] must be a bool, got "
@@ -276,15 +273,15 @@ class RotaryPositionEmbedding(torch.nn.Module):
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
-        if not _is_number(rotary_percent) or not 0 < rotary_percent <= 1:
+        if not is_finite_number(rotary_percent) or not 0 < rotary_percent <= 1:
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
-        if not _is_number(rotary_base) or not rotary_base > 0:
+        if not is_finite_number(rotary_base) or not rotary_base > 0:
             raise ValueError(f"rotary_base must be a positive number, got {rotary_base!r}")
         for name, value in (("max_position_embeddings", max_position_embeddings),
                             ("seq_len_interpolation_factor", seq_len_interpolation_factor),
                             ("pretrained_max_position_embeddings",
                              pretrained_max_position_embeddings)):
-            if value is not None and (not _is_number(value) or not value > 0):
+            if value is not None and (not is_finite_number(value) or not value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if rotary_percent < 1.0:
             dim = int(dim * rotary_percent)
