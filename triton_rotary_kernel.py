@@ -399,7 +399,7 @@ class PositionsTile(NamedTuple):
     HAS_START: bool
     SEARCH_LEVELS: int
     IS_THD: bool = True
-    SEARCH_GUESS: bool = False  # its tiles of SEQUENCE_POSITIONS_BLOCK tokens search (not measured)
+    SEARCH_GUESS: bool = False  # off: the pre-pass always searches (the window not measured there)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -1076,8 +1076,9 @@ def _guessed_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens):
     `_tile_sequences` gives them, from one vector load: the GUESS_WINDOW entries of cu_seqlens
     around first_tok * num_seqs / num_tokens, the first token's sequence were all sequences
     of one length. found (int32, 0 or 1): every token's index and both its entries lie in the
-    window, so the rest is its answer (always with sequences of one length, or fewer than
-    GUESS_WINDOW); where 0, the rest is not to be used. A token's index is lo + (entries of
+    window, so the rest is its answer (always with fewer than GUESS_WINDOW sequences, and with
+    sequences of one length where a tile spans at most GUESS_WINDOW - GUESS_BEFORE - 1 = 23 of
+    them); where 0, the rest is not to be used. A token's index is lo + (entries of
     the window below next_start) - 1: known where the window holds an entry below it (or
     starts at 0) and one not below it (or ends at num_seqs)."""
     j = tl.arange(0, GUESS_WINDOW)

@@ -59,6 +59,16 @@ _UNSUPPORTED_ROPE_TYPES = {
 }
 
 
+def _python_number(value):
+    """A real number (numpy's scalars and the fractions module's included) as the Python int or
+    float of its value, so that the constructor's arithmetic after its checks is Python's
+    whatever type the number came in (numpy's float32 would keep it in float32); anything else
+    (bools too) as it is, for the checks to name."""
+    if isinstance(value, bool) or not is_real_number(value):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def _rope_number(rope_scaling, key, rope_type, *, allow_none=False, positive=True):
     if key not in rope_scaling:
         raise ValueError(f"rope_scaling[{key!r}] is required for rope_type {rope_type!r}")
@@ -273,6 +283,10 @@ class RotaryPositionEmbedding(torch.nn.Module):
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
+        (rotary_percent, rotary_base, max_position_embeddings, seq_len_interpolation_factor,
+         pretrained_max_position_embeddings) = map(_python_number, (
+            rotary_percent, rotary_base, max_position_embeddings, seq_len_interpolation_factor,
+            pretrained_max_position_embeddings))
         if not is_finite_number(rotary_percent) or not 0 < rotary_percent <= 1:
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
         if not is_finite_number(rotary_base) or not rotary_base > 0:
@@ -292,6 +306,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
             rope_scaling = {}
         if not isinstance(rope_scaling, Mapping):
             raise TypeError(f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}")
+        rope_scaling = {key: _python_number(value) for key, value in rope_scaling.items()}
         rope_type = _rope_type_of(rope_scaling)
         # transformers 5 keeps these inside its rope dict; a second, different value is ambiguous
         for key, ours, name in (("rope_theta", rotary_base, "rotary_base"),
