@@ -64,7 +64,7 @@ def _python_number(value):
     float of its value, so that the constructor's arithmetic after its checks is Python's
     whatever type the number came in (numpy's float32 would keep it in float32); anything else
     (bools too) as it is, for the checks to name."""
-    if isinstance(value, bool) or not is_real_number(value):
+    if not is_real_number(value):
         return value
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
