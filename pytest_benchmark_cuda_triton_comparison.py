@@ -3957,8 +3957,8 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
         L._PLANS.clear()
         with L.use_launch_rule(rule):
             L.set_rotary_kernel(t, freqs, **thd, **options)
-        cfg = [p.launch.cfg for p in L._PLANS.values()][0]
-        return cfg.BLOCK_T, cfg.BLOCK_H, cfg.SEARCH_GUESS
+        (plan,) = L._PLANS.values()
+        return plan.launch.cfg.BLOCK_T, plan.launch.cfg.BLOCK_H, plan.launch.cfg.SEARCH_GUESS
 
     assert tile(rule, wide, module) == (1, 4, True)            # 256-byte tokens: plain tiles
     assert tile(rule, narrow, module) == (8, 2, False)         # 128-byte tokens: 1024 bytes
