@@ -56,6 +56,7 @@ import triton.language as tl
 import rope_bench_report as report
 import triton_rotary_kernel
 import triton_rotary_launch
+import triton_rotary_main
 from rope_bench import run_benchmarks
 from rope_fuzz_strategies import (
     assert_fuzz_close,
@@ -716,6 +717,136 @@ def test_qk_norm_pipelined_backward_matches_the_plain_loop():
     # Backward plans: bshd, sbhd (token), thd with positions, thd with cu_seqlens (positions
     # from the pre-pass) and fused QKV pipelined; the table not.
     assert stages == [[0] * 6, [0, 3, 3, 3, 3, 3]], stages
+
+
+# Each case: t's shape, the call's arguments, the norm over head or token, the angle source.
+SAVED_RSTD_CASES = {
+    "sbhd_head_table": ((9, 2, 3, 16), {}, "head", "table"),
+    "bshd_token_exact": ((2, 9, 3, 16), dict(tensor_format="bshd"), "token", "exact"),
+    "thd_token_exact": ((11, 3, 16), dict(tensor_format="thd", cu_seqlens=[0, 4, 11]), "token",
+                        "exact"),
+    "thd_head_table": ((11, 3, 16), dict(tensor_format="thd", cu_seqlens=[0, 4, 11]), "head",
+                       "table"),
+}
+
+
+def _rstd_reference(t, over, eps):
+    """1 / sqrt(mean(x^2) + eps) of every row of t in float64: [..., h] or [...]."""
+    x = t.double() if over == "head" else t.double().flatten(-2)
+    return 1.0 / torch.sqrt(x.square().mean(-1) + eps)
+
+
+@pytest.mark.parametrize("name", SAVED_RSTD_CASES)
+def test_qk_norm_forward_saves_rstd_and_backward_reads_it(name):
+    """A norm given a buffer for its rows' rstd (`RMSNorm.rstd`, made by `norm_rstd`): the
+    forward writes every row's 1 / sqrt(mean(x^2) + eps) (against float64) and returns what it
+    returns without the buffer; the backward that reads the buffer gives the gradients (input
+    and weight) of the backward that works rstd out again (on a GPU up to rstd's last bits: the
+    forward's and the backward's tiles add the squares in other orders). q and k in one call
+    too, the key of one head taking pair tiles with the query."""
+    L = triton_rotary_launch
+    shape, kwargs, over, angles = SAVED_RSTD_CASES[name]
+    kwargs = {k: int_tensor(v) if k == "cu_seqlens" else v for k, v in kwargs.items()}
+    torch.manual_seed(71)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    freqs = module if angles == "exact" else module(16)
+    t, grad = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
+    width = 16 if over == "head" else shape[-2] * 16
+    norm = L.RMSNorm(1.0 + 0.1 * torch.randn(width, device=DEVICE), 1e-6, 0.0, over)
+    saved = norm._replace(rstd=torch.full_like(L.norm_rstd(t, norm), float("nan")))
+    assert saved.rstd.shape == (shape[:-1] if over == "head" else shape[:-2])
+    out = L.set_rotary_kernel(t, freqs, norm=norm, **kwargs)
+    assert torch.equal(L.set_rotary_kernel(t, freqs, norm=saved, **kwargs), out)
+    torch.testing.assert_close(saved.rstd.double(), _rstd_reference(t, over, norm.eps), rtol=1e-6,
+                               atol=0)
+    recomputed = L.set_rotary_kernel(grad, freqs, backward=True, norm=norm, norm_input=t, **kwargs)
+    read = L.set_rotary_kernel(grad, freqs, backward=True, norm=saved, norm_input=t, **kwargs)
+    for a, b in zip(read, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    saved.rstd.mul_(2.0)        # the backward reads the buffer: other values, other gradients
+    doubled = L.set_rotary_kernel(grad, freqs, backward=True, norm=saved, norm_input=t, **kwargs)
+    assert not torch.allclose(doubled[0], read[0])
+    # q and k of the same tokens, k of one head: pair tiles forward (a norm over each head)
+    q, k = torch.randn(*shape[:-2], 4, 16, device=DEVICE), torch.randn(*shape[:-2], 1, 16, device=DEVICE)
+    nq = L.RMSNorm(torch.rand(16 if over == "head" else 64, device=DEVICE), 1e-6, 1.0, over)
+    nk = L.RMSNorm(torch.rand(16, device=DEVICE), 1e-6, 1.0, over)
+    sq, sk = nq._replace(rstd=L.norm_rstd(q, nq)), nk._replace(rstd=L.norm_rstd(k, nk))
+    outs = L.set_rotary_qk_kernel(q, k, freqs, q_norm=nq, k_norm=nk, **kwargs)
+    for a, b in zip(L.set_rotary_qk_kernel(q, k, freqs, q_norm=sq, k_norm=sk, **kwargs), outs):
+        assert torch.equal(a, b)
+    for x, n in ((q, sq), (k, sk)):
+        torch.testing.assert_close(n.rstd.double(), _rstd_reference(x, over, 1e-6), rtol=1e-6,
+                                   atol=0)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    recomputed = L.set_rotary_qk_kernel(gq, gk, freqs, backward=True, q_norm=nq, k_norm=nk,
+                                        q_input=q, k_input=k, **kwargs)
+    read = L.set_rotary_qk_kernel(gq, gk, freqs, backward=True, q_norm=sq, k_norm=sk, q_input=q,
+                                  k_input=k, **kwargs)
+    for a, b in zip(read, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_qk_norm_entry_points_save_rstd_over_the_token(monkeypatch):
+    """The entry points' forwards save each row's rstd where `saves_rstd` says (a norm over
+    the token), and their backwards hand that buffer to the launcher; a norm over each head
+    saves none. Both give the unfused formula's gradients."""
+    L, M = triton_rotary_launch, triton_rotary_main
+    seen = []
+
+    def recording(launcher):
+        def record(*args, **kwargs):
+            norms = [kwargs.get(k) for k in ("norm", "q_norm", "k_norm")]
+            norms += [a for a in args if isinstance(a, L.RMSNorm)]
+            seen.append([None if n is None or n.rstd is None else tuple(n.rstd.shape)
+                         for n in norms if n is not None])
+            return launcher(*args, **kwargs)
+        return record
+
+    monkeypatch.setattr(M, "set_rotary_kernel", recording(M.set_rotary_kernel))
+    monkeypatch.setattr(M, "set_rotary_qk_kernel", recording(M.set_rotary_qk_kernel))
+    torch.manual_seed(72)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    for over in ("token", "head"):
+        t = torch.randn(5, 2, 3, 16, device=DEVICE, requires_grad=True)
+        k = torch.randn(5, 2, 3, 16, device=DEVICE, requires_grad=True)
+        w = torch.randn(48 if over == "token" else 16, device=DEVICE, requires_grad=True)
+        seen.clear()
+        for fused in (True, False):
+            y = apply_rotary_pos_emb(t, module, norm_weight=w, norm_over=over, fused=fused)
+            yq, yk = apply_rotary_pos_emb_qk(t, k, module, q_norm_weight=w, k_norm_weight=w,
+                                             norm_over=over, fused=fused)
+            loss = (y * y).sum() + (yq * 2).sum() + (yk * yk).sum()
+            grads = torch.autograd.grad(loss, (t, k, w))
+            if fused:
+                fused_grads = grads
+        for a, b in zip(fused_grads, grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        expected = (5, 2) if over == "token" else None
+        # the forward and backward of each fused call: every norm with a buffer, or none
+        assert sorted(seen, key=len) == [[expected]] * 2 + [[expected, expected]] * 2, (over, seen)
+
+
+def test_qk_norm_rstd_buffer_is_checked():
+    """A wrong `RMSNorm.rstd` is a named error: not a tensor (TypeError); another shape, dtype
+    or device, or not contiguous (ValueError); given for q's norm and not k's; given to the
+    fused QKV, which works rstd out in its backward."""
+    L = triton_rotary_launch
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    t = torch.randn(4, 2, 3, 16, device=DEVICE)
+    norm = L.RMSNorm(torch.ones(16, device=DEVICE), 1e-6, 0.0, "head")
+    good = L.norm_rstd(t, norm)
+    with pytest.raises(TypeError, match="norm_rstd must be a torch.Tensor"):
+        L.set_rotary_kernel(t, module, norm=norm._replace(rstd=[1.0]))
+    for bad in (good[:, :1], good.double(), good.transpose(0, 1).contiguous().transpose(0, 1),
+                L.norm_rstd(t, norm._replace(over="token"))):
+        with pytest.raises(ValueError, match="norm_rstd must be contiguous, of shape"):
+            L.set_rotary_kernel(t, module, norm=norm._replace(rstd=bad))
+    with pytest.raises(ValueError, match="q_norm.rstd and k_norm.rstd together"):
+        L.set_rotary_qk_kernel(t, t, module, q_norm=norm._replace(rstd=good), k_norm=norm)
+    qkv = torch.randn(4, 2, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="takes no rstd"):
+        L.set_rotary_qkv_kernel(qkv, module, module, [32, 16, 16], q_norm=norm._replace(rstd=good),
+                                k_norm=norm._replace(rstd=good))
 
 
 THD_PREPASS_CASES = {

@@ -51,7 +51,7 @@ def example_arguments(cfg):
     if cfg.NORM != K.NO_NORM.value:
         backward = cfg.BACKWARD
         norm = K.Norm("*bf16", 1e-6, 0.0, K.View("*bf16", strides) if backward else None,
-                      "*fp32" if backward else None)
+                      "*fp32" if backward else None, "*fp32" if cfg.SAVED_RSTD else None)
     return (K.View("*bf16", strides), K.View("*bf16", strides), angles, positions,
             K.HeadShape(heads, dim, dim), norm, 4096, 2048, 2, 1, 0, cfg)
 

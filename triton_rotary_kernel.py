@@ -47,7 +47,8 @@ applies the norm's own transpose,
 
     dx = rstd * (gn * w - xhat * sum(gn * w * xhat) / n),   dw = sum over tokens of gn * xhat
 
-(for a per-head norm, the tokens' heads too). dw is reduced deterministically: each program
+(for a per-head norm, the tokens' heads too; rstd the forward's where it saved it,
+`Variant.SAVED_RSTD`, else worked out again). dw is reduced deterministically: each program
 loops over its share of the token blocks and writes one row of partial sums, which a second
 kernel, `weight_gradient_kernel`, adds up in one fixed order.
 
@@ -174,6 +175,9 @@ class Norm(NamedTuple):
     offset: float      # added to the weight: 1.0 for Gemma's (1 + weight)
     x: View            # backward: the norm's input (the forward's t); forward: None
     partial: object    # backward: [programs, weight size] partial sums of dL/dweight; forward: None
+    rstd: object       # each row's 1 / sqrt(mean(x^2) + eps), in the compute dtype, [num_tokens,
+    #                    nheads] (over each head) or [num_tokens] (over the token), where
+    #                    Variant.SAVED_RSTD, else None
 
 
 class Variant(NamedTuple):
@@ -201,6 +205,8 @@ class Variant(NamedTuple):
     NORM: int = 0               # NO_NORM, NORM_OVER_HEAD, NORM_OVER_TOKEN
     PIPELINE_STAGES: int = 0    # norm backward: token loop software-pipelined this deep
     NORM_AFTER_ANGLES: bool = False  # norm forward: normalize after the angles are worked out
+    SAVED_RSTD: bool = False    # norm: the forward writes each row's rstd to Norm.rstd, the
+    #                             backward reads it there instead of working it out again
     LAUNCH_DEPENDENTS: bool = False  # the next launch may start once every program has begun
     WAITS_FOR_PREVIOUS: bool = False  # launched early (PDL): its programs end after the launch
     #                                   before it (launcher: _overlapped)
@@ -221,6 +227,9 @@ class TileInputs(NamedTuple):
     w2: object
     w_pass: object
     width: object      # with a norm: the channels it covers (`_norm_width`)
+    rstd_rows: object  # with SAVED_RSTD: pointers to the tile's rows in Norm.rstd (`_rstd_rows`)
+    rstd_ok: object    # and which of them are real
+    rstd: object       # the backward of a norm with SAVED_RSTD: the forward's rstd, as loaded
     mask: object       # the pairs' lanes that are real
     mask_p: object     # the pass channels' lanes that are real
     offs: object       # the pairs' channels (`_pair_channels`)
@@ -241,7 +250,7 @@ def rotary_kernel(x, out, angles, positions, shape, norm, num_tokens, seq_len, b
         gdc_launch_dependents()
     x, out = _typed_view(x), _typed_view(out)
     if cfg.NORM != NO_NORM and cfg.BACKWARD:
-        norm = _typed_norm(norm)
+        norm = _typed_norm(norm, cfg)
     head_programs = tl.cdiv(shape.nheads, cfg.BLOCK_H)
     tok_block, head_block = _program_block(head_programs, cfg.FLAT_GRID)
     _tensor_program(tok_block, head_block, head_programs, _token_programs(head_programs, cfg), x,
@@ -263,7 +272,7 @@ def rotary_qkv_kernel(q, k, v, q_angles, k_angles, positions, shape, q_norm, k_n
     NORM_BACKWARD: tl.constexpr = cfg.NORM != NO_NORM and cfg.BACKWARD
     q, k, v = _typed_in_out(q), _typed_in_out(k), _typed_in_out(v)
     if NORM_BACKWARD:
-        q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
+        q_norm, k_norm = _typed_norm(q_norm, cfg), _typed_norm(k_norm, cfg)
     k_programs = tl.cdiv(shape.kv_heads, cfg.BLOCK_KV)
     tok_block, pid_h = _program_block(shape.q_programs + k_programs, cfg.FLAT_GRID)
     tokens = Tokens(num_tokens, seq_len, batch, cp_size, cp_rank)
@@ -324,7 +333,7 @@ def rotary_qk_kernel(q, k, angles, positions, shape, q_norm, k_norm, num_tokens,
                         positions, q_norm, k_norm, cfg)
     else:
         if cfg.BACKWARD:
-            q_norm, k_norm = _typed_norm(q_norm), _typed_norm(k_norm)
+            q_norm, k_norm = _typed_norm(q_norm, cfg), _typed_norm(k_norm, k_cfg)
         pid = tl.program_id(0)
         if pid < shape.q_programs:
             _flat_program(pid, shape.q_programs, q.src, q.dst, angles, positions, q_shape, q_norm,
@@ -376,8 +385,11 @@ def _typed_in_out(io):
 
 
 @triton.jit
-def _typed_norm(norm):
-    return Norm(norm.weight, norm.eps, norm.offset, _typed_view(norm.x), norm.partial)
+def _typed_norm(norm, cfg: tl.constexpr):
+    rstd = 0                  # unread without SAVED_RSTD (a tuple built here holds no None)
+    if cfg.SAVED_RSTD:
+        rstd = norm.rstd
+    return Norm(norm.weight, norm.eps, norm.offset, _typed_view(norm.x), norm.partial, rstd)
 
 
 @triton.jit
@@ -578,8 +590,8 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     pairs, [T, H, BLOCK_PASS] for the channels past rotary_dim) in the backward of a norm.
     """
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
-    inputs = _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx,
-                          norm, weights, cfg)
+    inputs = _tile_inputs(x, out, heads, heads_per_group, shape, tok, tok_ok, seq_idx,
+                          batch_idx, norm, weights, cfg)
     BLOCK_H: tl.constexpr = heads.shape[0]
     compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
@@ -596,9 +608,9 @@ def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens,
     tl.static_assert(cfg.NORM == NO_NORM or not cfg.BACKWARD,
                      "the backward of a norm takes q's and k's own tiles")
     tok, tok_ok, seq_idx, batch_idx = _program_tokens(tok_block, tokens, cfg)
-    q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok_ok, seq_idx, batch_idx,
+    q_inputs = _tile_inputs(q.src, q.dst, q_heads, 1, q_shape, tok, tok_ok, seq_idx, batch_idx,
                             q_norm, None, cfg)
-    k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok_ok, seq_idx, batch_idx,
+    k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok, tok_ok, seq_idx, batch_idx,
                             k_norm, None, cfg)
     compute_dtype: tl.constexpr = _compute_dtype(q.src.ptr.dtype.element_ty)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
@@ -608,7 +620,7 @@ def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens,
 
 
 @triton.jit
-def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_idx, norm,
+def _tile_inputs(x, out, heads, heads_per_group, shape, tok, tok_ok, seq_idx, batch_idx, norm,
                  weights, cfg: tl.constexpr):
     """A tile's loads, and the forward's norm unless it comes after the angles: a TileInputs."""
     mask_th = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]      # [T, H, 1]
@@ -664,6 +676,11 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
         n_pass = tl.load(n_base + offs_p[None, None, :] * n_dim, mask=mask_p,
                          other=0.0).to(compute_dtype)
     w1, w2, w_pass, width = 0, 0, 0, 0
+    rstd_rows, rstd_ok, rstd = 0, 0, 0
+    if cfg.SAVED_RSTD:
+        rstd_rows, rstd_ok = _rstd_rows(norm, tok, tok_ok, heads, shape, cfg)
+        if NORM_BACKWARD:
+            rstd = tl.load(rstd_rows, mask=rstd_ok, other=1.0)
     if cfg.NORM != NO_NORM:
         if weights is not None:
             w1, w2, w_pass = weights
@@ -676,9 +693,9 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok_ok, seq_idx, batch_i
         width = _norm_width(shape, cfg)
         if NORM_FORWARD and not NORM_LATE:
             x1, x2, x_pass = _rms_norm(x1, x2, x_pass.to(compute_dtype), w1, w2, w_pass, width,
-                                       norm.eps, cfg)
-    return TileInputs(x1, x2, x_pass, n1, n2, n_pass, w1, w2, w_pass, width, mask, mask_p, offs,
-                      offs_p, out_base, out.strides[-1], half)
+                                       norm, rstd_rows, rstd_ok, cfg)
+    return TileInputs(x1, x2, x_pass, n1, n2, n_pass, w1, w2, w_pass, width, rstd_rows, rstd_ok,
+                      rstd, mask, mask_p, offs, offs_p, out_base, out.strides[-1], half)
 
 
 @triton.jit
@@ -726,7 +743,8 @@ def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr):
         w1 = inputs.w1.to(compute_dtype) + norm.offset
         w2 = inputs.w2.to(compute_dtype) + norm.offset
         w_pass = inputs.w_pass.to(compute_dtype) + norm.offset
-        x1, x2, x_pass = _rms_norm(x1, x2, x_pass, w1, w2, w_pass, inputs.width, norm.eps, cfg)
+        x1, x2, x_pass = _rms_norm(x1, x2, x_pass, w1, w2, w_pass, inputs.width, norm,
+                                   inputs.rstd_rows, inputs.rstd_ok, cfg)
     # Explicit fused multiply-adds: left to the compiler, the contraction of a*b - c*d varies
     # with the tile shape, and so would the last bit of a token's result with the batch size.
     out1 = tl.fma(x1, cos1, -(x2 * sin_a))
@@ -739,7 +757,7 @@ def _rotate_and_store(inputs, rotation, norm, cfg: tl.constexpr):
         # out1, out2 and x_pass: the gradient of the normalized, weighted x.
         out1, out2, x_pass, dw1, dw2, dw_pass = _rms_norm_backward(
             out1, out2, x_pass.to(compute_dtype), inputs.n1, inputs.n2, inputs.n_pass, inputs.w1,
-            inputs.w2, inputs.w_pass, inputs.width, norm.eps, cfg)
+            inputs.w2, inputs.w_pass, inputs.width, norm, inputs.rstd, cfg)
     else:
         dw1, dw2, dw_pass = 0, 0, 0                # nothing to return (one return statement:
                                                    # Triton types every return of a function)
@@ -868,11 +886,27 @@ def _weight_rows(ptr, heads, shape, cfg: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm(x1, x2, x_pass, w1, w2, w_pass, width, eps, cfg: tl.constexpr):
+def _rms_norm(x1, x2, x_pass, w1, w2, w_pass, width, norm, rstd_rows, rstd_ok,
+              cfg: tl.constexpr):
     """The forward's norm: x * rstd * w for both members of the pairs and the channels past
-    them (w the weight plus its offset)."""
-    rstd = _rstd(x1, x2, x_pass, width, eps, cfg)
+    them (w the weight plus its offset); with SAVED_RSTD, rstd stored to norm.rstd too."""
+    rstd = _rstd(x1, x2, x_pass, width, norm.eps, cfg)
+    if cfg.SAVED_RSTD:
+        tl.store(rstd_rows, rstd, mask=rstd_ok)
     return x1 * rstd * w1, x2 * rstd * w2, x_pass * rstd * w_pass
+
+
+@triton.jit
+def _rstd_rows(norm, tok, tok_ok, heads, shape, cfg: tl.constexpr):
+    """(pointers, which are real) of a tile's rows in norm.rstd, shaped as `_rstd`'s result:
+    [T, H, 1] for a norm over each head, [T, 1, 1] over the token (a tile holds all of its
+    heads)."""
+    if cfg.NORM == NORM_OVER_TOKEN:
+        rows, rows_ok = norm.rstd + tok.to(tl.int64)[:, None, None], tok_ok[:, None, None]
+    else:
+        rows = norm.rstd + (tok.to(tl.int64) * shape.nheads)[:, None, None] + heads[None, :, None]
+        rows_ok = tok_ok[:, None, None] & (heads < shape.nheads)[None, :, None]
+    return rows, rows_ok
 
 
 @triton.jit
@@ -891,12 +925,14 @@ def _rstd(x1, x2, x_pass, width, eps, cfg: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_backward(g1, g2, g_pass, x1, x2, x_pass, w1, w2, w_pass, width, eps,
+def _rms_norm_backward(g1, g2, g_pass, x1, x2, x_pass, w1, w2, w_pass, width, norm, rstd,
                        cfg: tl.constexpr):
     """The norm's transpose: g the gradient of its output (xhat * w), x its input. Returns
     dx (both members of the pairs and the channels past them) and the tile's dL/dweight per
-    token: dx = rstd * (g * w - xhat * mean(g * w * xhat)), dw = g * xhat."""
-    rstd = _rstd(x1, x2, x_pass, width, eps, cfg)
+    token: dx = rstd * (g * w - xhat * mean(g * w * xhat)), dw = g * xhat. `rstd` is the
+    forward's where it saved it (Variant.SAVED_RSTD), else worked out here again."""
+    if not cfg.SAVED_RSTD:
+        rstd = _rstd(x1, x2, x_pass, width, norm.eps, cfg)
     xhat1, xhat2, xhat_pass = x1 * rstd, x2 * rstd, x_pass * rstd
     gw1, gw2, gw_pass = g1 * w1, g2 * w2, g_pass * w_pass
     dot = (tl.sum(gw1 * xhat1, axis=2) + tl.sum(gw2 * xhat2, axis=2)

@@ -13,7 +13,7 @@ import numbers
 import os
 import warnings
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -250,6 +250,17 @@ QK_NORM_POSITIONS_PASS = True
 # (artifacts/qknorm/olmo2_ncu_h200.txt); capped at 80 for a third program, it ran 1.79 -> 2.48
 # copies of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
 QKV_NORM_BACKWARD_MAX_REGISTERS = 128
+# A norm over the whole token (OLMo 2) saves each row's rstd in the forward for the backward
+# (`saves_rstd`, RMSNorm.rstd): there the backward's sum of squares crosses the tile's 8 warps
+# (shared memory and barriers in every trip of its token loop), and reading the saved value
+# takes its loop from 507 to 448 instructions a thread (Triton 3.6, sm_90). Kernels alone, bf16,
+# 16K tokens, in copies of q and k, forward + backward, recomputed -> saved
+# (artifacts/qknorm/saved_rstd_ab_*): OLMo 2 on the H200 2.85 -> 2.70 with exact angles, 3.86 ->
+# 3.58 with TE's table. A norm over each head reduces within a warp, and there the saved rows'
+# loads cost more than they save: on the H200 Qwen3-8B's q and k in one call 2.53 -> 2.64 and
+# with TE's table 2.94 -> 4.21 (scattered loads of the tile's rows in its unpipelined loop), and
+# TP 8's pair-tile forward 1.04 -> 1.31 (the rows' stores); so it works rstd out again.
+SAVED_RSTD_OVER = ("token",)
 # q and k with norms in two launches (where `_joins` keeps them apart: equal tiles, as OLMo 2's
 # norm over the token takes both ways): the key's launch starts while the query's last programs
 # run (programmatic dependent launch, compute capability 9.0 and later; `_overlapped`), instead
@@ -536,14 +547,39 @@ def check_layout(source, interleaved, freqs_name="freqs"):
 class RMSNorm(NamedTuple):
     """An RMSNorm applied before the rotation: x / sqrt(mean(x^2) + eps) * (offset + weight),
     the mean over each head's channels (`over="head"`, weight [d]) or over all heads of a token
-    (`over="token"`, weight [h * d])."""
+    (`over="token"`, weight [h * d]).
+
+    `rstd`, optional, holds each row's 1 / sqrt(mean(x^2) + eps) (`norm_rstd` makes it): the
+    forward writes it and the backward, given the same buffer, reads it instead of working it
+    out again: a reduction over each row and its multiply-adds fewer in every tile."""
     weight: torch.Tensor
     eps: float
     offset: float
     over: str
+    rstd: Optional[torch.Tensor] = None
 
 
 NORM_OVER = {"head": NORM_OVER_HEAD.value, "token": NORM_OVER_TOKEN.value}
+
+
+def saves_rstd(norm):
+    """Whether the entry points' forwards with `norm` (an RMSNorm) save each row's rstd for the
+    backward (SAVED_RSTD_OVER says where that pays)."""
+    return norm.over in SAVED_RSTD_OVER
+
+
+def norm_rstd(t, norm):
+    """The buffer of `RMSNorm.rstd` for the rows of t ([..., h, d], t's format): t's shape
+    without its channels (a norm over each head) or without its heads and channels (over the
+    token), in the compute dtype, contiguous, so that row i of token j sits at j * h + i (or
+    j): the kernels' token order in every format."""
+    shape, dtype = _rstd_layout(t, norm.over)
+    return torch.empty(shape, dtype=dtype, device=t.device)
+
+
+def _rstd_layout(t, over):
+    return (t.shape[:-1] if over == "head" else t.shape[:-2],
+            torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
 def check_norm(norm, t, nheads, head_dim, prefix="norm_"):
@@ -564,6 +600,17 @@ def check_norm(norm, t, nheads, head_dim, prefix="norm_"):
         what = "d" if norm.over == "head" else "h * d"
         raise ValueError(f"{prefix}weight must have shape [{what}] = [{size}] for "
                          f"norm_over={norm.over!r}, got {tuple(weight.shape)}")
+    rstd = norm.rstd
+    if rstd is not None:
+        shape, dtype = _rstd_layout(t, norm.over)
+        if not isinstance(rstd, torch.Tensor):
+            raise TypeError(f"{prefix}rstd must be a torch.Tensor or None, got "
+                            f"{type(rstd).__name__}")
+        if (rstd.shape != shape or rstd.dtype != dtype or rstd.device != t.device
+                or not rstd.is_contiguous()):
+            raise ValueError(f"{prefix}rstd must be contiguous, of shape {tuple(shape)}, {dtype}, "
+                             f"on {t.device} (norm_rstd makes it), got {tuple(rstd.shape)} "
+                             f"{rstd.dtype} on {rstd.device}")
 
 
 def check_norm_options(eps, offset, over):
@@ -599,7 +646,11 @@ def _norm_key(norm):
     weight = norm.weight
     meta = (weight.shape, weight.stride(), weight.dtype, weight.device) if isinstance(
         weight, torch.Tensor) else (type(weight),)
-    return (*meta, norm.eps, type(norm.eps), norm.offset, type(norm.offset), norm.over)
+    rstd = norm.rstd
+    rstd_meta = (rstd.shape, rstd.stride(), rstd.dtype, rstd.device) if isinstance(
+        rstd, torch.Tensor) else (type(rstd),)
+    return (*meta, norm.eps, type(norm.eps), norm.offset, type(norm.offset), norm.over,
+            *rstd_meta)
 
 
 def _weight_as_read(norm):
@@ -623,7 +674,7 @@ def norm_programs(token_blocks, head_programs, device, rule, num_warps, gpu_shar
 
 def _norm_group(norm, norm_input, partial):
     """The fields of the kernel's Norm group; norm_input and partial None in the forward."""
-    return _weight_as_read(norm), norm.eps, norm.offset, norm_input, partial
+    return _weight_as_read(norm), norm.eps, norm.offset, norm_input, partial, norm.rstd
 
 
 def _partial_sums(plan, x):
@@ -1449,6 +1500,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   SEARCH_GUESS=(rule.search_guess and lone_search
                                 and (wide_positions or not source.from_positions)),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
+                  SAVED_RSTD=norm is not None and norm.rstd is not None,
                   NORM_AFTER_ANGLES=(norm is not None and not backward
                                      and _norm_after_angles(source, tile, norm, searches,
                                                             few_head_pairs)),
@@ -1977,6 +2029,10 @@ def check_norm_pair(q_norm, k_norm):
     """The norms of q and k (RMSNorms, or their weights): both or neither."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("give q_norm_weight and k_norm_weight together (or neither)")
+    if isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm) and (
+            (q_norm.rstd is None) != (k_norm.rstd is None)):
+        raise ValueError("give q_norm.rstd and k_norm.rstd together (or neither): a pair tile "
+                         "writes or reads both")
 
 
 def check_qkv_norms(qkv, split, q_norm, k_norm):
@@ -1990,6 +2046,9 @@ def check_qkv_norms(qkv, split, q_norm, k_norm):
         if norm.over != "head":
             raise ValueError(f"fused QKV normalizes each head (norm_over='head'), got "
                              f"{norm.over!r}")
+        if norm.rstd is not None:
+            raise ValueError(f"fused QKV works each row's rstd out in its backward: {name} "
+                             f"takes no rstd")
     kv_heads, head_dim = qkv.shape[2], split[1]
     check_norm(q_norm, qkv, kv_heads * (split[0] // head_dim), head_dim, prefix="q_norm_")
     check_norm(k_norm, qkv, kv_heads, head_dim, prefix="k_norm_")

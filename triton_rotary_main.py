@@ -32,7 +32,9 @@ from triton_rotary_launch import (
     check_rope_args,
     is_finite_number,
     is_real_number,
+    norm_rstd,
     qkv_outputs,
+    saves_rstd,
     set_rotary_kernel,
     set_rotary_kernel_transposed,
     set_rotary_qk_kernel,
@@ -534,18 +536,25 @@ class RopeNormForwardAndBackward(torch.autograd.Function):
     """QK-norm then RoPE: one launch forward (normalize, weight, rotate) and one backward
     (rotate back, the norm's transpose, dL/dweight as partial sums), then the partial sums'
     reduction. The backward is not itself differentiable: double backward raises
-    (`_refuse_double_backward`)."""
+    (`_refuse_double_backward`). Eager, the forward saves each row's rstd for the backward
+    where `saves_rstd` says so (`RMSNorm.rstd`); under torch.compile the backward works it
+    out again (the custom ops carry no statistics)."""
 
     @staticmethod
     def forward(ctx, t, weight, call):
-        _save_rope_call(ctx, call, t, weight)
+        rstd = None
+        if (saves_rstd(call.norm) and isinstance(t, torch.Tensor)
+                and not torch.compiler.is_compiling()):
+            rstd = norm_rstd(t, call.norm)
+            call = call._replace(norm=call.norm._replace(rstd=rstd))
+        _save_rope_call(ctx, call, t, weight, rstd)
         return _rope(t, call)
 
     @staticmethod
     def backward(ctx, grad_out):
         _refuse_double_backward()
-        call, (t, weight) = _backward_rope_call(ctx)
-        call = call._replace(norm=call.norm._replace(weight=weight))
+        call, (t, weight, rstd) = _backward_rope_call(ctx)
+        call = call._replace(norm=call.norm._replace(weight=weight, rstd=rstd))
         grad_t, grad_weight = _rope_norm_backward(grad_out, t, call)
         return grad_t, grad_weight, None
 
@@ -604,20 +613,29 @@ class QKRopeNormForwardAndBackward(torch.autograd.Function):
     """QK-norm then RoPE of q and k by the same angles: one launch of `rotary_qk_kernel`
     forward and one backward (rotate back, the norms' transposes, dL/dweight as partial sums;
     two each way where `_joins` says so), then the weights' reduction. `call.norm` holds q's
-    norm; k's has its settings and k_weight. Double backward raises
-    (`_refuse_double_backward`)."""
+    norm; k's has its settings, k_weight and k_rstd. Double backward raises
+    (`_refuse_double_backward`). Eager, the forward saves each row's rstd for the backward, as
+    `RopeNormForwardAndBackward` does."""
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, call):
-        _save_rope_call(ctx, call, q, k, q_weight, k_weight)
-        return _rope_qk_norm(q, k, k_weight, call)
+        if (not saves_rstd(call.norm) or torch.compiler.is_compiling()
+                or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor))):
+            _save_rope_call(ctx, call, q, k, q_weight, k_weight, None, None)
+            return _rope_qk_norm(q, k, k_weight, call)
+        q_rstd, k_rstd = norm_rstd(q, call.norm), norm_rstd(k, call.norm)
+        call = call._replace(norm=call.norm._replace(rstd=q_rstd))
+        _save_rope_call(ctx, call, q, k, q_weight, k_weight, q_rstd, k_rstd)
+        return _rope_qk_norm_eager(q, k, k_weight, call, k_rstd)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         _refuse_double_backward()
-        call, (q, k, q_weight, k_weight) = _backward_rope_call(ctx)
-        call = call._replace(norm=call.norm._replace(weight=q_weight))
-        return (*_rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, call), None)
+        call, (q, k, q_weight, k_weight, q_rstd, k_rstd) = _backward_rope_call(ctx)
+        call = call._replace(norm=call.norm._replace(weight=q_weight, rstd=q_rstd))
+        if torch.compiler.is_compiling():
+            return (*_rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, call), None)
+        return (*_rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, call, k_rstd), None)
 
 
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
@@ -637,7 +655,8 @@ def _rope_op_args(call):
     src, norm = call.source, call.norm or RMSNorm(None, 0.0, 0.0, "head")
     return (src.angles, src.pair_axis, src.from_positions, src.n_axes, src.scale,
             call.tensor_format, call.start_positions, call.interleaved, call.cu_seqlens,
-            call.cp_size, call.cp_rank, call.positions, call.inverse, call.transpose, *norm)
+            call.cp_size, call.cp_rank, call.positions, call.inverse, call.transpose,
+            norm.weight, norm.eps, norm.offset, norm.over)
 
 
 def _rope_call(angles, pair_axis, from_positions, n_axes, scale, tensor_format, start_positions,
@@ -676,22 +695,22 @@ def _rope_qk_eager(q, k, call, return_plan=False):
                                 return_plan=return_plan)
 
 
-def _rope_qk_norm_eager(q, k, k_weight, call):
-    """`call` on q and k, q normalized by call.norm and k by that norm with k_weight, straight
-    to the launcher."""
+def _rope_qk_norm_eager(q, k, k_weight, call, k_rstd=None):
+    """`call` on q and k, q normalized by call.norm and k by that norm with k_weight (and
+    k_rstd, with call.norm.rstd), straight to the launcher."""
     return set_rotary_qk_kernel(q, k, call.source, call.tensor_format, call.start_positions,
                                 call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
                                 False, call.positions, call.inverse, call.norm,
-                                call.norm._replace(weight=k_weight))
+                                call.norm._replace(weight=k_weight, rstd=k_rstd))
 
 
-def _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, call):
+def _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, call, k_rstd=None):
     """(dq, dk, dL/dq_weight, dL/dk_weight) of `_rope_qk_norm_eager`'s call, from the forward's
-    q and k."""
+    q and k (and their rstd, where it saved them)."""
     return set_rotary_qk_kernel(grad_q, grad_k, call.source, call.tensor_format,
                                 call.start_positions, call.interleaved, call.cu_seqlens,
                                 call.cp_size, call.cp_rank, True, call.positions, call.inverse,
-                                call.norm, call.norm._replace(weight=k_weight), q, k)
+                                call.norm, call.norm._replace(weight=k_weight, rstd=k_rstd), q, k)
 
 
 def _rope_inplace_eager(t, call):
