@@ -253,13 +253,14 @@ QKV_NORM_BACKWARD_MAX_REGISTERS = 128
 # A norm over the whole token (OLMo 2) saves each row's rstd in the forward for the backward
 # (`saves_rstd`, RMSNorm.rstd): there the backward's sum of squares crosses the tile's 8 warps
 # (shared memory and barriers in every trip of its token loop), and reading the saved value
-# takes its loop from 507 to 448 instructions a thread (Triton 3.6, sm_90). Kernels alone, bf16,
-# 16K tokens, in copies of q and k, forward + backward, recomputed -> saved
-# (artifacts/qknorm/saved_rstd_ab_*): OLMo 2 on the H200 2.85 -> 2.70 with exact angles, 3.86 ->
-# 3.58 with TE's table. A norm over each head reduces within a warp, and there the saved rows'
-# loads cost more than they save: on the H200 Qwen3-8B's q and k in one call 2.53 -> 2.64 and
-# with TE's table 2.94 -> 4.21 (scattered loads of the tile's rows in its unpipelined loop), and
-# TP 8's pair-tile forward 1.04 -> 1.31 (the rows' stores); so it works rstd out again.
+# takes its loop from 507 to 448 SASS instructions a thread (Triton 3.6, sm_90). Kernels alone,
+# bf16, 16K tokens, forward + backward in copies of q and k, recomputed -> saved
+# (artifacts/qknorm/saved_rstd_ab_h200_2.log, _h100_2.log): OLMo 2 on the H200 2.85 -> 2.69
+# with exact angles, 3.85 -> 3.58 with TE's table; on the H100 2.76 -> 2.77 and 3.19 -> 3.07.
+# A norm over each head sums within a warp, and its saved rows cost more than they save:
+# Qwen3-8B's q and k in one call 2.54 -> 2.95 (exact) and 2.94 -> 4.21 (TE's table) on the
+# H200, 2.65 -> 2.76 and 2.65 -> 3.54 on the H100; TP 8's pair-tile forward (the rows' stores)
+# 1.04 -> 1.31 on the H200. So it works rstd out again.
 SAVED_RSTD_OVER = ("token",)
 # q and k with norms in two launches (where `_joins` keeps them apart: equal tiles, as OLMo 2's
 # norm over the token takes both ways): the key's launch starts while the query's last programs
