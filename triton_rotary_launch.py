@@ -641,17 +641,19 @@ def _check_norm_input(norm_input, t, name="norm_input"):
 
 
 def _norm_key(norm):
-    """A norm's part of a plan key: the weight's metadata and the other fields."""
+    """A norm's part of a plan key: its weight's and rstd's metadata and the other fields."""
     if not isinstance(norm, RMSNorm):
         return (norm,)
-    weight = norm.weight
-    meta = (weight.shape, weight.stride(), weight.dtype, weight.device) if isinstance(
-        weight, torch.Tensor) else (type(weight),)
-    rstd = norm.rstd
-    rstd_meta = (rstd.shape, rstd.stride(), rstd.dtype, rstd.device) if isinstance(
-        rstd, torch.Tensor) else (type(rstd),)
-    return (*meta, norm.eps, type(norm.eps), norm.offset, type(norm.offset), norm.over,
-            *rstd_meta)
+    return (*_tensor_key(norm.weight), norm.eps, type(norm.eps), norm.offset, type(norm.offset),
+            norm.over, *_tensor_key(norm.rstd))
+
+
+def _tensor_key(x):
+    """A key part of a norm's tensor: its metadata, or its type (None, or what the checks
+    will name)."""
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.device
+    return (type(x),)
 
 
 def _weight_as_read(norm):

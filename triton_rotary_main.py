@@ -619,13 +619,14 @@ class QKRopeNormForwardAndBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, call):
-        if (not saves_rstd(call.norm) or torch.compiler.is_compiling()
-                or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor))):
-            _save_rope_call(ctx, call, q, k, q_weight, k_weight, None, None)
-            return _rope_qk_norm(q, k, k_weight, call)
-        q_rstd, k_rstd = norm_rstd(q, call.norm), norm_rstd(k, call.norm)
-        call = call._replace(norm=call.norm._replace(rstd=q_rstd))
+        q_rstd = k_rstd = None
+        if (saves_rstd(call.norm) and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                and not torch.compiler.is_compiling()):
+            q_rstd, k_rstd = norm_rstd(q, call.norm), norm_rstd(k, call.norm)
+            call = call._replace(norm=call.norm._replace(rstd=q_rstd))
         _save_rope_call(ctx, call, q, k, q_weight, k_weight, q_rstd, k_rstd)
+        if k_rstd is None:
+            return _rope_qk_norm(q, k, k_weight, call)
         return _rope_qk_norm_eager(q, k, k_weight, call, k_rstd)
 
     @staticmethod
