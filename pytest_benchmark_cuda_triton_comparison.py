@@ -741,9 +741,10 @@ def test_qk_norm_forward_saves_rstd_and_backward_reads_it(name):
     """A norm given a buffer for its rows' rstd (`RMSNorm.rstd`, made by `norm_rstd`): the
     forward writes every row's 1 / sqrt(mean(x^2) + eps) (against float64) and returns what it
     returns without the buffer; the backward that reads the buffer gives the gradients (input
-    and weight) of the backward that works rstd out again (on a GPU up to rstd's last bits: the
-    forward's and the backward's tiles add the squares in other orders). q and k in one call
-    too, the key of one head taking pair tiles with the query."""
+    and weight) of the backward that works rstd out again. On a GPU both hold up to rstd's last
+    bits: the kernels are other kernels, whose tiles Triton may lay out otherwise (the store of
+    rstd is one more use of the sums), and so add the squares in other orders. q and k in one
+    call too, the key of one head taking pair tiles with the query."""
     L = triton_rotary_launch
     shape, kwargs, over, angles = SAVED_RSTD_CASES[name]
     kwargs = {k: int_tensor(v) if k == "cu_seqlens" else v for k, v in kwargs.items()}
@@ -756,7 +757,8 @@ def test_qk_norm_forward_saves_rstd_and_backward_reads_it(name):
     saved = norm._replace(rstd=torch.full_like(L.norm_rstd(t, norm), float("nan")))
     assert saved.rstd.shape == (shape[:-1] if over == "head" else shape[:-2])
     out = L.set_rotary_kernel(t, freqs, norm=norm, **kwargs)
-    assert torch.equal(L.set_rotary_kernel(t, freqs, norm=saved, **kwargs), out)
+    torch.testing.assert_close(L.set_rotary_kernel(t, freqs, norm=saved, **kwargs), out,
+                               rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(saved.rstd.double(), _rstd_reference(t, over, norm.eps), rtol=1e-6,
                                atol=0)
     recomputed = L.set_rotary_kernel(grad, freqs, backward=True, norm=norm, norm_input=t, **kwargs)
@@ -773,7 +775,7 @@ def test_qk_norm_forward_saves_rstd_and_backward_reads_it(name):
     sq, sk = nq._replace(rstd=L.norm_rstd(q, nq)), nk._replace(rstd=L.norm_rstd(k, nk))
     outs = L.set_rotary_qk_kernel(q, k, freqs, q_norm=nq, k_norm=nk, **kwargs)
     for a, b in zip(L.set_rotary_qk_kernel(q, k, freqs, q_norm=sq, k_norm=sk, **kwargs), outs):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     for x, n in ((q, sq), (k, sk)):
         torch.testing.assert_close(n.rstd.double(), _rstd_reference(x, over, 1e-6), rtol=1e-6,
                                    atol=0)
@@ -786,10 +788,12 @@ def test_qk_norm_forward_saves_rstd_and_backward_reads_it(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_qk_norm_entry_points_save_rstd_over_the_token(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_qk_norm_entry_points_save_rstd_over_the_token(monkeypatch, compiled):
     """The entry points' forwards save each row's rstd where `saves_rstd` says (a norm over
     the token), and their backwards hand that buffer to the launcher; a norm over each head
-    saves none. Both give the unfused formula's gradients."""
+    saves none. Eager and under torch.compile (fullgraph: the forward's op returns the buffer,
+    the backward's op takes it). Both give the unfused formula's gradients."""
     L, M = triton_rotary_launch, triton_rotary_main
     seen = []
 
@@ -809,17 +813,20 @@ def test_qk_norm_entry_points_save_rstd_over_the_token(monkeypatch):
     for over in ("token", "head"):
         t = torch.randn(5, 2, 3, 16, device=DEVICE, requires_grad=True)
         k = torch.randn(5, 2, 3, 16, device=DEVICE, requires_grad=True)
-        w = torch.randn(48 if over == "token" else 16, device=DEVICE, requires_grad=True)
-        seen.clear()
-        for fused in (True, False):
+        w, wk = (torch.randn(48 if over == "token" else 16, device=DEVICE, requires_grad=True)
+                 for _ in range(2))
+
+        def loss(t, k, w, wk, fused):
             y = apply_rotary_pos_emb(t, module, norm_weight=w, norm_over=over, fused=fused)
-            yq, yk = apply_rotary_pos_emb_qk(t, k, module, q_norm_weight=w, k_norm_weight=w,
+            yq, yk = apply_rotary_pos_emb_qk(t, k, module, q_norm_weight=w, k_norm_weight=wk,
                                              norm_over=over, fused=fused)
-            loss = (y * y).sum() + (yq * 2).sum() + (yk * yk).sum()
-            grads = torch.autograd.grad(loss, (t, k, w))
-            if fused:
-                fused_grads = grads
-        for a, b in zip(fused_grads, grads):
+            return (y * y).sum() + (yq * 2).sum() + (yk * yk).sum()
+
+        fused_loss = torch.compile(loss, fullgraph=True) if compiled else loss
+        seen.clear()
+        inputs = (t, k, w, wk)
+        fused_grads = torch.autograd.grad(fused_loss(*inputs, True), inputs)
+        for a, b in zip(fused_grads, torch.autograd.grad(loss(*inputs, False), inputs)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         expected = (5, 2) if over == "token" else None
         # the forward and backward of each fused call: every norm with a buffer, or none
@@ -3239,8 +3246,14 @@ def _opcheck_cases():
          (t.clone(), *angles, "sbhd", None, True, None, 1, 0, None, False, False, torch.randn(10, device=DEVICE),
           1e-6, 1.0, "head")),
         ("rope_norm_backward", ops.rope_norm_backward.default,
-         (torch.randn_like(t), t, *table, "sbhd", None, False, None, 1, 0, None, False, True,
+         (torch.randn_like(t), t, None, *table, "sbhd", None, False, None, 1, 0, None, False, True,
           torch.randn(10, device=DEVICE), 1e-6, 0.5, "head")),
+        ("rope_norm_saving_rstd", ops.rope_norm_saving_rstd.default,
+         (t, *table, "sbhd", None, False, None, 1, 0, None, False, False, torch.randn(20, device=DEVICE), 1e-6,
+          0.0, "token")),
+        ("rope_norm_backward saved rstd", ops.rope_norm_backward.default,
+         (torch.randn_like(t), t, torch.rand(4, 2, device=DEVICE) + 0.5, *angles, "sbhd", None, False, None, 1, 0,
+          None, False, True, torch.randn(20, device=DEVICE), 1e-6, 0.5, "token")),
         ("qkv_rope norm", ops.qkv_rope.default,
          (qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, False, 1, 0, None,
           False, torch.randn(10, device=DEVICE), torch.randn(10, device=DEVICE), 1e-6, 0.0)),
@@ -3249,8 +3262,15 @@ def _opcheck_cases():
           False, torch.randn(10, device=DEVICE), 1e-6, 1.0, "head")),
         ("rope_qk_norm_backward", ops.rope_qk_norm_backward.default,
          (torch.randn_like(t), torch.randn(4, 2, 1, 10, device=DEVICE), t, t[:, :, 1:], torch.randn(10, device=DEVICE),
-          *table, "sbhd", None, False, None, 1, 0, None, False, True, torch.randn(10, device=DEVICE), 1e-6, 0.5,
-          "head")),
+          None, None, *table, "sbhd", None, False, None, 1, 0, None, False, True, torch.randn(10, device=DEVICE),
+          1e-6, 0.5, "head")),
+        ("rope_qk_norm_saving_rstd", ops.rope_qk_norm_saving_rstd.default,
+         (t, t[:, :, :1], torch.randn(10, device=DEVICE), *angles, "sbhd", None, False, None, 1, 0, None, False,
+          False, torch.randn(20, device=DEVICE), 1e-6, 0.0, "token")),
+        ("rope_qk_norm_backward saved rstd", ops.rope_qk_norm_backward.default,
+         (torch.randn_like(t), torch.randn(4, 2, 1, 10, device=DEVICE), t, t[:, :, 1:], torch.randn(10, device=DEVICE),
+          torch.rand(4, 2, device=DEVICE) + 0.5, torch.rand(4, 2, device=DEVICE) + 0.5, *table, "sbhd", None, False,
+          None, 1, 0, None, False, True, torch.randn(20, device=DEVICE), 1e-6, 0.5, "token")),
         ("qkv_rope_norm_backward", ops.qkv_rope_norm_backward.default,
          (*grads, qkv, freqs, None, freqs * 0.5, None, False, 1, 1.0, 1.0, [10, 10, 10], "sbhd", None, True, 1, 0,
           None, False, torch.randn(10, device=DEVICE), torch.randn(10, device=DEVICE), 1e-6, 1.0)),
@@ -3259,8 +3279,10 @@ def _opcheck_cases():
 
 _OPCHECK_NAMES = ("rope table", "rope module backward", "rope thd inverse", "rope_ table", "rope_qk module backward",
                   "rope_ module inverse", "qkv_rope table", "qkv_rope module inverse", "qkv_rope_backward",
-                  "rope norm", "rope_ norm", "rope_norm_backward", "rope_qk_norm", "rope_qk_norm_backward",
-                  "qkv_rope norm", "qkv_rope_norm_backward")
+                  "rope norm", "rope_ norm", "rope_norm_backward", "rope_norm_saving_rstd",
+                  "rope_norm_backward saved rstd", "rope_qk_norm", "rope_qk_norm_backward",
+                  "rope_qk_norm_saving_rstd", "rope_qk_norm_backward saved rstd", "qkv_rope norm",
+                  "qkv_rope_norm_backward")
 
 
 @pytest.mark.parametrize("name", _OPCHECK_NAMES)
@@ -3751,12 +3773,16 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     assert ("rotary_qk_kernel", 1, True, True) in kinds, sorted(kinds)
     assert ("rotary_qkv_kernel", 1, True, True) in kinds, sorted(kinds)
     assert ("sequence_positions_kernel", None, None, False) in kinds, sorted(kinds)
-    # The fused QKV's pipelined norm backward alone caps its registers
-    # (QKV_NORM_BACKWARD_MAX_REGISTERS), and its records carry the cap to the compiler.
-    capped = {kind for kind, entry in records.values() if "maxnreg" in entry["options"]}
-    assert capped == {("rotary_qkv_kernel", 1, True, True)}, capped
-    assert all(entry["options"]["maxnreg"] == triton_rotary_launch.QKV_NORM_BACKWARD_MAX_REGISTERS
-               for _, entry in records.values() if "maxnreg" in entry["options"])
+    # Exactly the pipelined norm backwards cap their registers (NORM_BACKWARD_MAX_REGISTERS):
+    # those of the plain kernel (norms over the head and over the token), of q and k in one
+    # launch and of the fused QKV; their records carry the cap to the compiler.
+    cap = triton_rotary_launch.NORM_BACKWARD_MAX_REGISTERS
+    assert cap > 0
+    assert {kind for kind in kinds if kind[3]} == {
+        ("rotary_kernel", 1, True, True), ("rotary_kernel", 2, True, True),
+        ("rotary_qk_kernel", 1, True, True), ("rotary_qkv_kernel", 1, True, True)}
+    for (_, _, _, pipelined), entry in records.values():
+        assert entry["options"].get("maxnreg") == (cap if pipelined else None), entry
     # q and k of equal tiles with norms over the token (QK_NORM_OVERLAP): the key's launches
     # are programmatic dependent launches, and exactly those wait for the launch before them.
     def flag(entry, name):
@@ -3766,7 +3792,8 @@ def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):
     assert early and early == [e for _, e in records.values() if flag(e, "WAITS_FOR_PREVIOUS")]
     assert any(flag(e, "LAUNCH_DEPENDENTS") for _, e in records.values())
     assert {frozenset(e["options"]) for _, e in records.values()} == {
-        frozenset(), frozenset({"maxnreg"}), frozenset({"launch_pdl"})}
+        frozenset(), frozenset({"maxnreg"}), frozenset({"launch_pdl"}),
+        frozenset({"launch_pdl", "maxnreg"})}
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([entry for _, entry in records.values()]))
     results = _run_probe("--launches", str(path))

@@ -912,16 +912,22 @@ def _rstd_rows(norm, tok, tok_ok, heads, shape, cfg: tl.constexpr):
 @triton.jit
 def _rstd(x1, x2, x_pass, width, eps, cfg: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) over each head's channels ([T, H, 1]) or each token's
-    ([T, 1, 1]); masked-off channels hold 0."""
+    ([T, 1, 1]); masked-off channels hold 0.
+
+    float32 takes the hardware's reciprocal square root (within 2 ulps), as torch.rsqrt does
+    on CUDA and so transformers' RMSNorms there; a correctly rounded sqrt and a division cost
+    TP 8's forward tile of q and k (4 + 1 heads of d 128) 112 of its 984 SASS instructions and
+    16 of its 96 registers (Triton 3.6, sm_90): the sqrt's slow-path branch and both divisions'
+    range checks, for each row a thread holds."""
     squares = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2) + tl.sum(x_pass * x_pass, axis=2)
     if cfg.NORM == NORM_OVER_TOKEN:
         squares = tl.sum(squares, axis=1, keep_dims=True)
-    mean = squares / width + eps
-    if mean.dtype == tl.float64:
-        root = tl.sqrt(mean)
-    else:
-        root = tl.sqrt_rn(mean)       # correctly rounded, as torch's float32 sqrt
-    return (1.0 / root)[:, :, None]
+    if squares.dtype == tl.float64:
+        return (1.0 / tl.sqrt(squares / width + eps))[:, :, None]
+    # One fma, not a product and a sum the compiler may or may not contract: rstd must come
+    # out bit for bit the same in every kernel variant (a forward saving it, the backward
+    # working it out again).
+    return tl.math.rsqrt(tl.fma(squares, 1.0 / width, eps))[:, :, None]
 
 
 @triton.jit
@@ -1365,7 +1371,11 @@ def _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
         sin, cos = tl.sin(angle), tl.cos(angle)
     else:
         # Past 2^24 the position itself would be rounded to float32: NaN, never a wrong angle.
-        pf = tl.where(tl.abs(p) < _FAST_REDUCTION_LIMIT, p.to(tl.float32), _nan())
+        # Tested after the conversion (exact below 2^24, at least 2^24 in magnitude above):
+        # an integer test takes 64-bit arithmetic for every angle a thread works out (40 of
+        # the 872 SASS instructions of TP 8's forward tile of q and k, Triton 3.6, sm_90).
+        pf = p.to(tl.float32)
+        pf = tl.where(tl.abs(pf) < _FAST_REDUCTION_LIMIT, pf, _nan())
         hi = pf * inv_freq[None, :]
         # hi - pf * inv_freq exactly: written so, not as fma(pf, inv_freq, -hi), because the
         # compiler turns -hi into a second product of -pf and inv_freq.

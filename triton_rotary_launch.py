@@ -237,19 +237,23 @@ NORM_PIPELINE_STAGES = 3
 # search: with a pass of its own, q's and k's calls ran 1.082 -> 1.083 and 1.215 -> 1.171 on
 # the H200, 1.029 -> 1.061 and 1.068 -> 1.083 on the H100.
 QK_NORM_POSITIONS_PASS = True
-# The fused QKV's pipelined norm backward holds the query's path and the key and value's in
-# one kernel: uncapped, it takes 148-150 registers a thread (Triton 3.6, sm_90), so 3 programs
-# of 4 warps fit an SM where NORM_BACKWARD_WARPS_PER_SM plans 4, and a quarter of the programs
-# ran in a second wave. Capped (Triton's `maxnreg`), it compiles to 128 without spilling.
-# Kernels alone, in copies of qkv, H100 / H200 (artifacts/qknorm/qkv_registers_ab_*, with
-# norm_programs rounding down): Qwen3-8B 1.87 -> 1.70 / 2.09 -> 1.60, Gemma 3 1.72 -> 1.58 /
-# 2.04 -> 1.59. The unpipelined variants (TE's table, 2 warps, about 118 registers) fit
-# uncapped and ran 2-3% slower capped on the H200. The plain kernel's pipelined norm backward
-# has no cap: at OLMo 2's token norm (32 heads of d 128) it takes 128 registers, two programs
-# of 8 warps an SM, which ncu reads at 70.8% of DRAM bandwidth on the H200
-# (artifacts/qknorm/olmo2_ncu_h200.txt); capped at 80 for a third program, it ran 1.79 -> 2.48
-# copies of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
-QKV_NORM_BACKWARD_MAX_REGISTERS = 128
+# A pipelined norm backward plans NORM_BACKWARD_WARPS_PER_SM warps an SM (`norm_programs`):
+# 16, so 128 registers a thread fill the register file. Uncapped, some take more and their
+# programs run in a second wave. The fused QKV's holds the query's path and the key and value's
+# in one kernel: 148-150 registers uncapped (Triton 3.6, sm_90), 3 programs of 4 warps an SM
+# where 4 were planned; capped (Triton's `maxnreg`), 128 without spilling. Kernels alone, in
+# copies of qkv, H100 / H200 (artifacts/qknorm/qkv_registers_ab_*, with norm_programs rounding
+# down): Qwen3-8B 1.87 -> 1.70 / 2.09 -> 1.60, Gemma 3 1.72 -> 1.58 / 2.04 -> 1.59. TP 8's q
+# and k in one launch take 146 uncapped, 128 capped, also without spilling: kernels alone, in
+# copies of q and k, H200, uncapped against capped (artifacts/qknorm/rsqrt_ab_h200.log): TP 8's
+# backward 2.04 / 1.95 against 1.63 / 1.53 at 16K / 64K tokens, the fused QKV's 2.46 against
+# 1.73 (Qwen3-8B).
+# Unpipelined backwards (TE's table, 2 warps, about 118 registers) are not capped: capped, they
+# ran 2-3% slower on the H200. A cap below the plan costs more than the occupancy it buys: OLMo
+# 2's backward (two programs of 8 warps an SM, 70.8% of DRAM bandwidth on the H200 by ncu,
+# artifacts/qknorm/olmo2_ncu_h200.txt) capped at 80 for a third program ran 1.79 -> 2.48 copies
+# of q and k there (kernels alone, artifacts/qknorm/rules_h200.log).
+NORM_BACKWARD_MAX_REGISTERS = 128
 # A norm over the whole token (OLMo 2) saves each row's rstd in the forward for the backward
 # (`saves_rstd`, RMSNorm.rstd): there the backward's sum of squares crosses the tile's 8 warps
 # (shared memory and barriers in every trip of its token loop), and reading the saved value
@@ -307,7 +311,7 @@ class LaunchRule(NamedTuple):
     norm_backward_warps_per_sm: int
     norm_pipeline_stages: int
     qk_norm_positions_pass: bool
-    qkv_norm_backward_max_registers: int    # 0: no cap
+    norm_backward_max_registers: int    # 0: no cap
     norm_pair_key_heads: int    # 0: no pair tiles with norms
     norm_pair_few_heads: int
     norm_pair_exact_max_heads: int
@@ -321,7 +325,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
                       NORM_BACKWARD_THREAD_ELEMENTS, NORM_BACKWARD_WARPS_PER_SM,
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
-                      QKV_NORM_BACKWARD_MAX_REGISTERS,
+                      NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
                       QK_NORM_OVERLAP)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
@@ -1057,6 +1061,12 @@ def _pipeline_stages(stages: int, source, norm_backward: bool, searches: bool) -
     return 0
 
 
+def _max_registers(rule: LaunchRule, cfg) -> int:
+    """Triton's `maxnreg` for a launch of `cfg` (a Variant): the rule's cap for a pipelined norm
+    backward (NORM_BACKWARD_MAX_REGISTERS), else 0 (none)."""
+    return rule.norm_backward_max_registers if cfg.PIPELINE_STAGES else 0
+
+
 def _norm_backward_tile_bytes(rule: LaunchRule, source, head_dim: int, element_size: int) -> int:
     """Bytes of a norm backward's tile: rule.norm_backward_rows rows of the head
     (rule.norm_table_backward_rows with angles from a table)."""
@@ -1511,10 +1521,11 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                                    norm_backward, searches))
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
-                         cfg, num_warps)
+                         cfg, num_warps, _max_registers(rule, cfg))
         kernel_shape = (shape.nheads, shape.head_dim, shape.rotary_dim)          # HeadShape
     else:
-        launch = _Launch(rotary_qk_kernel, _QK_GROUPS, grid, (cfg, None), num_warps)
+        launch = _Launch(rotary_qk_kernel, _QK_GROUPS, grid, (cfg, None), num_warps,
+                         _max_registers(rule, cfg))
         kernel_shape = (shape.nheads, k_shape.nheads, shape.head_dim, shape.rotary_dim,
                         head_programs, 0)                                       # QKShape
     return _RopePlan(
@@ -1887,7 +1898,7 @@ def _make_qk_norm_plan(q, k, source, tensor_format, start_positions, cu_seqlens,
     q_shape, k_shape = q_plan.shape, k_plan.shape                  # HeadShapes
     return _QKNormPlan(
         _Launch(rotary_qk_kernel, _QK_GROUPS, (programs, 1), (q_launch.cfg, k_launch.cfg),
-                q_launch.num_warps),
+                q_launch.num_warps, q_launch.options.get("maxnreg", 0)),
         q_plan, k_plan, (q_shape[0], k_shape[0], q_shape[1], q_shape[2], 0, q_programs),  # QKShape
         q_plan.positions_pass, _qk_weight_gradients(q_plan, k_plan, q_norm, k_norm))
 
@@ -2117,8 +2128,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
     return _QKVPlan(
         _Launch(rotary_qkv_kernel,
                 (InOut, InOut, InOut, Angles, Angles, Positions, QKVShape, Norm, Norm),
-                grid, cfg, num_warps,
-                rule.qkv_norm_backward_max_registers if cfg.PIPELINE_STAGES else 0),
+                grid, cfg, num_warps, _max_registers(rule, cfg)),
         split,
         # (seq, batch, then the remaining dims) strides of each view
         view_strides=tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:]) for x in views),

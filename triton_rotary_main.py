@@ -536,19 +536,18 @@ class RopeNormForwardAndBackward(torch.autograd.Function):
     """QK-norm then RoPE: one launch forward (normalize, weight, rotate) and one backward
     (rotate back, the norm's transpose, dL/dweight as partial sums), then the partial sums'
     reduction. The backward is not itself differentiable: double backward raises
-    (`_refuse_double_backward`). Eager, the forward saves each row's rstd for the backward
-    where `saves_rstd` says so (`RMSNorm.rstd`); under torch.compile the backward works it
-    out again (the custom ops carry no statistics)."""
+    (`_refuse_double_backward`). The forward saves each row's rstd for the backward where
+    `saves_rstd` says so (`RMSNorm.rstd`), eager and under torch.compile alike."""
 
     @staticmethod
     def forward(ctx, t, weight, call):
         rstd = None
-        if (saves_rstd(call.norm) and isinstance(t, torch.Tensor)
-                and not torch.compiler.is_compiling()):
-            rstd = norm_rstd(t, call.norm)
-            call = call._replace(norm=call.norm._replace(rstd=rstd))
+        if saves_rstd(call.norm) and isinstance(t, torch.Tensor):
+            out, rstd = _rope_norm_saving_rstd(t, call)
+        else:
+            out = _rope(t, call)
         _save_rope_call(ctx, call, t, weight, rstd)
-        return _rope(t, call)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -614,29 +613,25 @@ class QKRopeNormForwardAndBackward(torch.autograd.Function):
     forward and one backward (rotate back, the norms' transposes, dL/dweight as partial sums;
     two each way where `_joins` says so), then the weights' reduction. `call.norm` holds q's
     norm; k's has its settings, k_weight and k_rstd. Double backward raises
-    (`_refuse_double_backward`). Eager, the forward saves each row's rstd for the backward, as
+    (`_refuse_double_backward`). The forward saves each row's rstd for the backward, as
     `RopeNormForwardAndBackward` does."""
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, call):
         q_rstd = k_rstd = None
-        if (saves_rstd(call.norm) and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-                and not torch.compiler.is_compiling()):
-            q_rstd, k_rstd = norm_rstd(q, call.norm), norm_rstd(k, call.norm)
-            call = call._replace(norm=call.norm._replace(rstd=q_rstd))
+        if saves_rstd(call.norm) and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
+            out_q, out_k, q_rstd, k_rstd = _rope_qk_norm_saving_rstd(q, k, k_weight, call)
+        else:
+            out_q, out_k = _rope_qk_norm(q, k, k_weight, call)
         _save_rope_call(ctx, call, q, k, q_weight, k_weight, q_rstd, k_rstd)
-        if k_rstd is None:
-            return _rope_qk_norm(q, k, k_weight, call)
-        return _rope_qk_norm_eager(q, k, k_weight, call, k_rstd)
+        return out_q, out_k
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         _refuse_double_backward()
         call, (q, k, q_weight, k_weight, q_rstd, k_rstd) = _backward_rope_call(ctx)
         call = call._replace(norm=call.norm._replace(weight=q_weight, rstd=q_rstd))
-        if torch.compiler.is_compiling():
-            return (*_rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, call), None)
-        return (*_rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, call, k_rstd), None)
+        return (*_rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, k_rstd, call), None)
 
 
 # The kernels as torch.library ops, so that torch.compile(fullgraph=True) sees one opaque,
@@ -669,6 +664,18 @@ def _rope_call(angles, pair_axis, from_positions, n_axes, scale, tensor_format, 
     return RopeCall(AngleSource(angles, from_positions, pair_axis, n_axes, scale, None),
                     tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                     positions, inverse, transpose, norm)
+
+
+def _rope_op_args_with_rstd(call):
+    """A RopeCall whose norm may hold rstd (a backward's) as the norm backward ops' arguments:
+    the rstd buffer (or None), then `_rope_op_args`'."""
+    return (call.norm.rstd, *_rope_op_args(call))
+
+
+def _rope_call_with_rstd(rstd, *args):
+    """`_rope_op_args_with_rstd`'s arguments back into a RopeCall."""
+    call = _rope_call(*args)
+    return call._replace(norm=call.norm._replace(rstd=rstd))
 
 
 def _check_rope_call(t, call):
@@ -705,9 +712,9 @@ def _rope_qk_norm_eager(q, k, k_weight, call, k_rstd=None):
                                 call.norm._replace(weight=k_weight, rstd=k_rstd))
 
 
-def _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, call, k_rstd=None):
+def _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, k_rstd, call):
     """(dq, dk, dL/dq_weight, dL/dk_weight) of `_rope_qk_norm_eager`'s call, from the forward's
-    q and k (and their rstd, where it saved them)."""
+    q and k (and their rstd, call.norm.rstd and k_rstd, where it saved them)."""
     return set_rotary_qk_kernel(grad_q, grad_k, call.source, call.tensor_format,
                                 call.start_positions, call.interleaved, call.cu_seqlens,
                                 call.cp_size, call.cp_rank, True, call.positions, call.inverse,
@@ -720,8 +727,24 @@ def _rope_inplace_eager(t, call):
                       positions=call.positions, inverse=call.inverse, norm=call.norm)
 
 
+def _rope_norm_saving_rstd_eager(t, call):
+    """(the result, each row's rstd) of a QK-norm call whose norm saves rstd (`saves_rstd`)."""
+    rstd = norm_rstd(t, call.norm)
+    return _rope_eager(t, call._replace(norm=call.norm._replace(rstd=rstd))), rstd
+
+
+def _rope_qk_norm_saving_rstd_eager(q, k, k_weight, call):
+    """(q's result, k's, q's rows' rstd, k's) of `_rope_qk_norm_eager`'s call, its norms saving
+    rstd."""
+    q_rstd, k_rstd = norm_rstd(q, call.norm), norm_rstd(k, call.norm)
+    outs = _rope_qk_norm_eager(q, k, k_weight, call._replace(norm=call.norm._replace(rstd=q_rstd)),
+                               k_rstd)
+    return (*outs, q_rstd, k_rstd)
+
+
 def _rope_norm_backward_eager(grad, t, call):
-    """(the gradient of t, of the norm's weight) of a QK-norm call, from t, the forward's input."""
+    """(the gradient of t, of the norm's weight) of a QK-norm call, from t, the forward's input
+    (and its rows' rstd, call.norm.rstd, where the forward saved them)."""
     return set_rotary_kernel(grad, call.source, call.tensor_format, call.start_positions,
                              call.interleaved, call.cu_seqlens, call.cp_size, call.cp_rank,
                              True, None, call.positions, call.inverse, call.norm, norm_input=t)
@@ -773,18 +796,38 @@ def _(q, k, k_weight, *args):
     return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
 
 
+# A norm that saves rstd (`saves_rstd`) returns the buffers from its forward op; the backward
+# ops read them (None where the forward saved none).
+@torch.library.custom_op("triton_rotary::rope_qk_norm_saving_rstd", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor k_norm_weight, {_ROPE_CALL_SCHEMA}) "
+                                f"-> (Tensor, Tensor, Tensor, Tensor)")
+def _rope_qk_norm_saving_rstd_op(q, k, k_weight, *args):
+    return _rope_qk_norm_saving_rstd_eager(q, k, k_weight, _rope_call(*args))
+
+
+@_rope_qk_norm_saving_rstd_op.register_fake
+def _(q, k, k_weight, *args):
+    call = _rope_call(*args)
+    _check_rope_qk_norm_call(q, k, k_weight, call)
+    return (*(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k)),
+            norm_rstd(q, call.norm), norm_rstd(k, call.norm))
+
+
 @torch.library.custom_op("triton_rotary::rope_qk_norm_backward", mutates_args=(),
                          schema=f"(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, "
-                                f"Tensor k_norm_weight, {_ROPE_CALL_SCHEMA}) "
-                                f"-> (Tensor, Tensor, Tensor, Tensor)")
-def _rope_qk_norm_backward_op(grad_q, grad_k, q, k, k_weight, *args):
-    return _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, _rope_call(*args))
+                                f"Tensor k_norm_weight, Tensor? k_norm_rstd, Tensor? norm_rstd, "
+                                f"{_ROPE_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
+def _rope_qk_norm_backward_op(grad_q, grad_k, q, k, k_weight, k_rstd, rstd, *args):
+    return _rope_qk_norm_backward_eager(grad_q, grad_k, q, k, k_weight, k_rstd,
+                                        _rope_call_with_rstd(rstd, *args))
 
 
 @_rope_qk_norm_backward_op.register_fake
-def _(grad_q, grad_k, q, k, k_weight, *args):
-    call = _rope_call(*args)
-    _check_rope_qk_norm_call(q, k, k_weight, call)
+def _(grad_q, grad_k, q, k, k_weight, k_rstd, rstd, *args):
+    call = _rope_call_with_rstd(rstd, *args)
+    check_qk_pair(q, k)
+    _check_rope_call(q, call)
+    _check_rope_call(k, call._replace(norm=call.norm._replace(weight=k_weight, rstd=k_rstd)))
     return (*(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k)),
             torch.empty_like(call.norm.weight), torch.empty_like(k_weight))
 
@@ -800,15 +843,29 @@ def _(t, *args):
     _check_rope_call(t, _rope_call(*args))
 
 
+@torch.library.custom_op("triton_rotary::rope_norm_saving_rstd", mutates_args=(),
+                         schema=f"(Tensor t, {_ROPE_CALL_SCHEMA}) -> (Tensor, Tensor)")
+def _rope_norm_saving_rstd_op(t, *args):
+    return _rope_norm_saving_rstd_eager(t, _rope_call(*args))
+
+
+@_rope_norm_saving_rstd_op.register_fake
+def _(t, *args):
+    call = _rope_call(*args)
+    _check_rope_call(t, call)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device), norm_rstd(t, call.norm)
+
+
 @torch.library.custom_op("triton_rotary::rope_norm_backward", mutates_args=(),
-                         schema=f"(Tensor grad, Tensor t, {_ROPE_CALL_SCHEMA}) -> (Tensor, Tensor)")
-def _rope_norm_backward_op(grad, t, *args):
-    return _rope_norm_backward_eager(grad, t, _rope_call(*args))
+                         schema=f"(Tensor grad, Tensor t, Tensor? norm_rstd, {_ROPE_CALL_SCHEMA}) "
+                                f"-> (Tensor, Tensor)")
+def _rope_norm_backward_op(grad, t, rstd, *args):
+    return _rope_norm_backward_eager(grad, t, _rope_call_with_rstd(rstd, *args))
 
 
 @_rope_norm_backward_op.register_fake
-def _(grad, t, *args):
-    call = _rope_call(*args)
+def _(grad, t, rstd, *args):
+    call = _rope_call_with_rstd(rstd, *args)
     _check_rope_call(t, call)
     return (torch.empty(t.shape, dtype=t.dtype, device=t.device),
             torch.empty_like(call.norm.weight))
@@ -831,18 +888,32 @@ def _rope_qk_norm(q, k, k_weight, call):
                               _rope_op_args)
 
 
-def _rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, call):
+def _rope_qk_norm_saving_rstd(q, k, k_weight, call):
+    """`_rope_qk_norm`, its norms saving rstd: (q's result, k's, q's rows' rstd, k's)."""
+    return _compiled_or_eager(_rope_qk_norm_saving_rstd_op, _rope_qk_norm_saving_rstd_eager,
+                              (q, k, k_weight), call, _rope_op_args)
+
+
+def _rope_qk_norm_backward(grad_q, grad_k, q, k, k_weight, k_rstd, call):
     """One launch of rotary_qk_kernel and the weights' reductions: the backward of a QK-norm
-    call on q and k."""
+    call on q and k (reading the forward's rstd, call.norm.rstd and k_rstd, where it saved
+    them)."""
     return _compiled_or_eager(_rope_qk_norm_backward_op, _rope_qk_norm_backward_eager,
-                              (grad_q, grad_k, q, k, k_weight), call, _rope_op_args)
+                              (grad_q, grad_k, q, k, k_weight, k_rstd), call,
+                              _rope_op_args_with_rstd)
+
+
+def _rope_norm_saving_rstd(t, call):
+    """`_rope`, its norm saving rstd: (the result, each row's rstd)."""
+    return _compiled_or_eager(_rope_norm_saving_rstd_op, _rope_norm_saving_rstd_eager, (t,),
+                              call, _rope_op_args)
 
 
 def _rope_norm_backward(grad, t, call):
     """One launch of rotary_kernel and the weight gradient's reduction: the backward of a
-    QK-norm call."""
+    QK-norm call (reading the forward's rstd, call.norm.rstd, where it saved them)."""
     return _compiled_or_eager(_rope_norm_backward_op, _rope_norm_backward_eager, (grad, t), call,
-                              _rope_op_args)
+                              _rope_op_args_with_rstd)
 
 
 def _qkv(qkv, call):
