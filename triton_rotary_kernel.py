@@ -924,9 +924,7 @@ def _rstd(x1, x2, x_pass, width, eps, cfg: tl.constexpr):
         squares = tl.sum(squares, axis=1, keep_dims=True)
     if squares.dtype == tl.float64:
         return (1.0 / tl.sqrt(squares / width + eps))[:, :, None]
-    # One fma, not a product and a sum the compiler may or may not contract: rstd must come
-    # out bit for bit the same in every kernel variant (a forward saving it, the backward
-    # working it out again).
+    # One fma, not a product and a sum that the compiler contracts or not, kernel by kernel.
     return tl.math.rsqrt(tl.fma(squares, 1.0 / width, eps))[:, :, None]
 
 
