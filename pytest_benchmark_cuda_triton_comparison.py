@@ -3140,6 +3140,33 @@ def test_torch_compile_qk_norm():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
 
 
+def test_torch_compile_qk_one_tensor_twice():
+    """fullgraph=True where a call gets one tensor twice: the same tensor as q and k, and one
+    weight for both norms (a tied weight), of apply_rotary_pos_emb_qk and of the fused QKV.
+    Dynamo traces no autograd.Function given one tensor as two inputs; the calls pass a view
+    instead. Outputs and gradients (the shared weight's the sum of both norms') as eager."""
+    torch.manual_seed(47)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+
+    def step(x, qkv, w):
+        q, k = apply_rotary_pos_emb_qk(x, x, module, q_norm_weight=w, k_norm_weight=w)
+        q2, k2 = apply_rotary_pos_emb_qk(x, x, module, tensor_format="bshd")
+        q3, k3, v3 = apply_fused_qkv_rotary_pos_emb(qkv, module, module, [32, 16, 16],
+                                                    q_norm_weight=w, k_norm_weight=w)
+        return ((q * 2).sum() + k.square().sum() + q2.square().sum() + (k2 * 3).sum()
+                + q3.square().sum() + (k3 * 5).sum() + v3.sum())
+
+    inputs = [torch.randn(6, 2, 3, 16, device=DEVICE), torch.randn(6, 2, 1, 64, device=DEVICE),
+              torch.randn(16, device=DEVICE)]
+    results = []
+    for fn in (torch.compile(step, fullgraph=True), step):
+        args = [x.clone().requires_grad_(True) for x in inputs]
+        loss = fn(*args)
+        results.append((loss, *torch.autograd.grad(loss, args)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
 def test_cuda_graph_capture_and_replay():
     torch.manual_seed(11)

@@ -927,6 +927,15 @@ def _qkv_backward(dq, dk, dv, call):
                               _qkv_op_args)
 
 
+def _second_input(first, second):
+    """`second`, or under torch.compile a view of it where it is `first`: Dynamo traces no
+    autograd.Function given one tensor as two of its inputs (k as q, one weight for both
+    norms); a view is another input, and its gradient reaches the same tensor."""
+    if second is first and isinstance(second, torch.Tensor) and torch.compiler.is_compiling():
+        return second.view_as(second)
+    return second
+
+
 def _needs_grad(t):
     """Whether autograd records a call on t (anything but a tensor is left to the checks)."""
     return torch.is_grad_enabled() and getattr(t, "requires_grad", False)
@@ -1185,6 +1194,7 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
                     cu_seqlens, cp_size, cp_rank, positions, inverse, False,
                     _rms_norm(q_norm_weight, norm_eps, norm_offset, norm_over))
+    k, k_norm_weight = _second_input(q, k), _second_input(q_norm_weight, k_norm_weight)
     if call.norm is not None:
         if not any(map(_needs_grad, (q, k, q_norm_weight, k_norm_weight))):
             return _rope_qk_norm(q, k, k_norm_weight, call)
@@ -1476,7 +1486,8 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
             check_qkv_norms(qkv, qkv_split_arg_list, q_norm, k_norm)     # names what is missing
         if not (_needs_grad(qkv) or _needs_grad(q_norm_weight) or _needs_grad(k_norm_weight)):
             return _qkv(qkv, call)
-        return FusedQKVRopeNormForwardAndBackward.apply(qkv, q_norm_weight, k_norm_weight, call)
+        return FusedQKVRopeNormForwardAndBackward.apply(
+            qkv, q_norm_weight, _second_input(q_norm_weight, k_norm_weight), call)
     if not _needs_grad(qkv):
         return _qkv(qkv, call)
     return FusedQKVRopeForwardAndBackward.apply(qkv, call)
