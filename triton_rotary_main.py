@@ -674,7 +674,11 @@ def _rope_op_args_with_rstd(call):
 
 def _rope_call_with_rstd(rstd, *args):
     """`_rope_op_args_with_rstd`'s arguments back into a RopeCall."""
-    call = _rope_call(*args)
+    return _with_rstd(_rope_call(*args), rstd)
+
+
+def _with_rstd(call, rstd):
+    """`call` (a RopeCall with a norm) with the norm's rstd buffer `rstd`."""
     return call._replace(norm=call.norm._replace(rstd=rstd))
 
 
@@ -730,15 +734,14 @@ def _rope_inplace_eager(t, call):
 def _rope_norm_saving_rstd_eager(t, call):
     """(the result, each row's rstd) of a QK-norm call whose norm saves rstd (`saves_rstd`)."""
     rstd = norm_rstd(t, call.norm)
-    return _rope_eager(t, call._replace(norm=call.norm._replace(rstd=rstd))), rstd
+    return _rope_eager(t, _with_rstd(call, rstd)), rstd
 
 
 def _rope_qk_norm_saving_rstd_eager(q, k, k_weight, call):
     """(q's result, k's, q's rows' rstd, k's) of `_rope_qk_norm_eager`'s call, its norms saving
     rstd."""
     q_rstd, k_rstd = norm_rstd(q, call.norm), norm_rstd(k, call.norm)
-    outs = _rope_qk_norm_eager(q, k, k_weight, call._replace(norm=call.norm._replace(rstd=q_rstd)),
-                               k_rstd)
+    outs = _rope_qk_norm_eager(q, k, k_weight, _with_rstd(call, q_rstd), k_rstd)
     return (*outs, q_rstd, k_rstd)
 
 
@@ -777,10 +780,10 @@ def _(q, k, *args):
     return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
 
 
-def _check_rope_qk_norm_call(q, k, k_weight, call):
+def _check_rope_qk_norm_call(q, k, k_weight, call, k_rstd=None):
     check_qk_pair(q, k)
     _check_rope_call(q, call)
-    _check_rope_call(k, call._replace(norm=call.norm._replace(weight=k_weight)))
+    _check_rope_call(k, call._replace(norm=call.norm._replace(weight=k_weight, rstd=k_rstd)))
 
 
 @torch.library.custom_op("triton_rotary::rope_qk_norm", mutates_args=(),
@@ -825,9 +828,7 @@ def _rope_qk_norm_backward_op(grad_q, grad_k, q, k, k_weight, k_rstd, rstd, *arg
 @_rope_qk_norm_backward_op.register_fake
 def _(grad_q, grad_k, q, k, k_weight, k_rstd, rstd, *args):
     call = _rope_call_with_rstd(rstd, *args)
-    check_qk_pair(q, k)
-    _check_rope_call(q, call)
-    _check_rope_call(k, call._replace(norm=call.norm._replace(weight=k_weight, rstd=k_rstd)))
+    _check_rope_qk_norm_call(q, k, k_weight, call, k_rstd)
     return (*(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k)),
             torch.empty_like(call.norm.weight), torch.empty_like(k_weight))
 
@@ -1194,14 +1195,15 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
                     cu_seqlens, cp_size, cp_rank, positions, inverse, False,
                     _rms_norm(q_norm_weight, norm_eps, norm_offset, norm_over))
-    k, k_norm_weight = _second_input(q, k), _second_input(q_norm_weight, k_norm_weight)
     if call.norm is not None:
         if not any(map(_needs_grad, (q, k, q_norm_weight, k_norm_weight))):
             return _rope_qk_norm(q, k, k_norm_weight, call)
-        return QKRopeNormForwardAndBackward.apply(q, k, q_norm_weight, k_norm_weight, call)
+        return QKRopeNormForwardAndBackward.apply(
+            q, _second_input(q, k), q_norm_weight, _second_input(q_norm_weight, k_norm_weight),
+            call)
     if not (_needs_grad(q) or _needs_grad(k)):
         return _rope_qk(q, k, call)
-    return QKRopeForwardAndBackward.apply(q, k, call)
+    return QKRopeForwardAndBackward.apply(q, _second_input(q, k), call)
 
 
 def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
