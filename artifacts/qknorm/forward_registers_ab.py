@@ -33,40 +33,43 @@ def forward_capped(cap):
     return max_registers
 
 
+def time_point(tokens):
+    """Print the variants' differences and the table for TP 8 at `tokens` tokens."""
+    P = build(dict(hq=HQ, hk=HK, d=D, offset=0.0, over="head"), tokens=tokens)
+    qk = L.set_rotary_qk_kernel
+    steps = {"exact": lambda S: qk(S.q, S.k, P.module, "bshd", q_norm=P.nq, k_norm=P.nk),
+             "table": lambda S: qk(S.q, S.k, P.freqs, "bshd", q_norm=P.nq, k_norm=P.nk)}
+    graphs = {("copy", 0): graphed_over(lambda S: (S.qd.copy_(S.q), S.kd.copy_(S.k)), P.sets)}
+    for name, step in steps.items():
+        first = None
+        for cap in CAPS:
+            L._PLANS.clear()
+            L._max_registers = forward_capped(cap)
+            try:
+                result = flat_outputs(step(P.sets[0]))
+                graphs[(name, cap)] = graphed_over(step, P.sets)
+            finally:
+                L._max_registers = PLANNED_MAX_REGISTERS
+            if first is None:
+                first = result
+            else:
+                diff = ((result - first).abs().max() / first.abs().max()).item()
+                print(f"  {tokens} {name} cap {cap}: max diff {diff:.1e}", flush=True)
+    median = time_graphs(graphs, len(P.sets))
+    copy_us = median[("copy", 0)]
+    print(f"TP 8, {tokens} tokens: copy of q and k {copy_us:.1f} us", flush=True)
+    for (name, cap), us in sorted(median.items(), key=lambda kv: (kv[0][0], kv[1])):
+        print(f"  {name:6s} cap {cap:3d}  {us / copy_us:6.3f} copies {us:7.1f} us", flush=True)
+    for graph in graphs.values():
+        graph.reset()
+    L._PLANS.clear()
+
+
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for tokens in (16384, 65536):
-        P = build(dict(hq=HQ, hk=HK, d=D, offset=0.0, over="head"), tokens=tokens)
-        qk = L.set_rotary_qk_kernel
-        steps = {"exact": lambda S: qk(S.q, S.k, P.module, "bshd", q_norm=P.nq, k_norm=P.nk),
-                 "table": lambda S: qk(S.q, S.k, P.freqs, "bshd", q_norm=P.nq, k_norm=P.nk)}
-        graphs = {("copy", 0): graphed_over(lambda S: (S.qd.copy_(S.q), S.kd.copy_(S.k)),
-                                            P.sets)}
-        for name, step in steps.items():
-            first = None
-            for cap in CAPS:
-                L._PLANS.clear()
-                L._max_registers = forward_capped(cap)
-                try:
-                    result = flat_outputs(step(P.sets[0]))
-                    graphs[(name, cap)] = graphed_over(step, P.sets)
-                finally:
-                    L._max_registers = PLANNED_MAX_REGISTERS
-                if first is None:
-                    first = result
-                else:
-                    diff = ((result - first).abs().max() / first.abs().max()).item()
-                    print(f"  {tokens} {name} cap {cap}: max diff {diff:.1e}", flush=True)
-        median = time_graphs(graphs, len(P.sets))
-        copy_us = median[("copy", 0)]
-        print(f"TP 8, {tokens} tokens: copy of q and k {copy_us:.1f} us", flush=True)
-        for (name, cap), us in sorted(median.items(), key=lambda kv: (kv[0][0], kv[1])):
-            print(f"  {name:6s} cap {cap:3d}  {us / copy_us:6.3f} copies {us:7.1f} us", flush=True)
-        for graph in graphs.values():
-            graph.reset()
-        del graphs, P
-        L._PLANS.clear()
+        time_point(tokens)
         torch.cuda.empty_cache()
 
 
