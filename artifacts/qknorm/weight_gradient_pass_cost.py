@@ -37,6 +37,28 @@ def captured(step, sets):
     return graphed_over(step, sets)
 
 
+def captured_without_pass(step, sets):
+    """`captured` with `_weight_gradient` launching nothing (`no_pass`)."""
+    L._weight_gradient = no_pass
+    try:
+        return captured(step, sets)
+    finally:
+        L._weight_gradient = PLANNED_WEIGHT_GRADIENT
+
+
+def report(title, graphs, nsets, width):
+    """Time `graphs` (name -> graph over `nsets` sets, "copy" the unit), print them fastest
+    first in copies under `title`, then release them and the plans."""
+    median = time_graphs(graphs, nsets)
+    copy_us = median["copy"]
+    print(f"{title}: copy {copy_us:.2f} us")
+    for name, us in sorted(median.items(), key=lambda kv: kv[1]):
+        print(f"  {name:{width}s} {us / copy_us:6.3f} copies {us:7.2f} us")
+    for graph in graphs.values():
+        graph.reset()
+    L._PLANS.clear()
+
+
 def time_point(p, tokens):
     torch.manual_seed(0)
     P = build(p, tokens=tokens)
@@ -48,20 +70,9 @@ def time_point(p, tokens):
              "copy_copy": lambda S: (*copy(S), *copy(S)),
              "copy3": lambda S: (*copy(S), *copy(S), *copy(S))}
     graphs = {name: captured(step, P.sets) for name, step in steps.items()}
-    L._weight_gradient = no_pass
-    try:
-        for name in ("bwd", "fwd_bwd"):
-            graphs[name + "_no_pass"] = captured(steps[name], P.sets)
-    finally:
-        L._weight_gradient = PLANNED_WEIGHT_GRADIENT
-    median = time_graphs(graphs, len(P.sets))
-    copy_us = median["copy"]
-    print(f"{p['model']} {tokens}: copy {copy_us:.2f} us")
-    for name, us in sorted(median.items(), key=lambda kv: kv[1]):
-        print(f"  {name:16s} {us / copy_us:6.3f} copies {us:7.2f} us")
-    for graph in graphs.values():
-        graph.reset()
-    L._PLANS.clear()
+    for name in ("bwd", "fwd_bwd"):
+        graphs[name + "_no_pass"] = captured_without_pass(steps[name], P.sets)
+    report(f"{p['model']} {tokens}", graphs, len(P.sets), 16)
 
 
 def profile_kernels(p, tokens):

@@ -17,10 +17,10 @@ import triton
 
 import triton_rotary_launch as L
 from rope_bench_report import flat_outputs
-from rope_qknorm_rules import POINTS, build, graphed_over, lines, time_graphs
+from rope_qknorm_rules import POINTS, build, graphed_over, lines
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from weight_gradient_pass_cost import PLANNED_WEIGHT_GRADIENT, captured, no_pass  # noqa: E402
+from weight_gradient_pass_cost import captured_without_pass, report  # noqa: E402
 
 RULE = (L.WEIGHT_GRADIENT_PROGRAMS, L.WEIGHT_GRADIENT_TILE, L.WEIGHT_GRADIENT_WARPS)
 VARIANTS = {"rule": RULE, "p32_w4": (32, 8192, 4), "p32_w2": (32, 8192, 2),
@@ -56,19 +56,8 @@ def time_point(p, tokens):
             graphs[name] = graphed_over(step, P.sets)
     finally:
         set_constants(*RULE)
-    L._weight_gradient = no_pass
-    try:
-        graphs["no_pass"] = captured(step, P.sets)
-    finally:
-        L._weight_gradient = PLANNED_WEIGHT_GRADIENT
-    median = time_graphs(graphs, len(P.sets))
-    copy_us = median["copy"]
-    print(f"{p['model']} {tokens} fwd+bwd exact: copy {copy_us:.2f} us")
-    for name, us in sorted(median.items(), key=lambda kv: kv[1]):
-        print(f"  {name:14s} {us / copy_us:6.3f} copies {us:7.2f} us")
-    for graph in graphs.values():
-        graph.reset()
-    L._PLANS.clear()
+    graphs["no_pass"] = captured_without_pass(step, P.sets)
+    report(f"{p['model']} {tokens} fwd+bwd exact", graphs, len(P.sets), 14)
 
 
 def main():
