@@ -4871,5 +4871,21 @@ def test_restamp_marks_rows_and_the_summary_says_so(tmp_path, monkeypatch):
         assert f"gpu {len(rows) - 2} of {len(rows)}" in text and "generated code compared: identical" in text
 
 
+def test_partial_run_without_te_keeps_the_te_of_kept_te_rows():
+    """A part run without TE (the models sweep has no TE rows) after one with it: run.json's
+    environment keeps the TE the kept rows were timed against, through further parts without
+    TE too; without TE rows left, or with TE timed now, the run's own environment stands."""
+    with_te = {"GPU": "g", "Transformer Engine": "TE C API (at /tmp/te)"}
+    without = {"GPU": "g", "Transformer Engine": "not available (no TE)"}
+    te_rows = _fake_sweep_rows("margin", 0, "bf16", "forward", dict(triton=1.0, te=2.0))
+    models = _fake_models_rows("8B-TP1-q-8K", "bf16", "forward_kernel", dict(triton=1.0), 1.0)
+    after = report.environment_with_kept_te(without, with_te, models, te_rows + models)
+    assert after == without | {report.TE_OF_KEPT_ROWS: "TE C API (at /tmp/te)"}
+    assert report.environment_with_kept_te(without, after, models, te_rows + models) == after
+    assert report.environment_with_kept_te(without, with_te, models, models) == without
+    assert report.environment_with_kept_te(with_te, without, te_rows, te_rows + models) == with_te
+    assert report.environment_with_kept_te(without, without, models, te_rows + models) == without
+
+
 if __name__ == "__main__":
     run_benchmarks()

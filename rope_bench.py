@@ -740,7 +740,9 @@ def run_benchmarks(argv=None):
     report.write_json(results_path, merged)
     extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}
     # Restamp notes stay: rows of earlier runs that this one did not replace keep their stamps.
-    restamped = report.load_json(run_path, {}).get("restamped", [])
+    previous_run = report.load_json(run_path, {})
+    restamped = previous_run.get("restamped", [])
+    env = report.environment_with_kept_te(env, previous_run.get("environment", {}), results, merged)
     report.write_json(run_path, {"environment": env, "extras": extras, "kernel": stamp["kernel"],
                                  "device_code": stamp["device_code"]}
                       | ({"restamped": restamped} if restamped else {}))

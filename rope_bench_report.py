@@ -352,6 +352,23 @@ def write_json(path, value):
         json.dump(value, f, indent=1)
 
 
+TE_OF_KEPT_ROWS = "TE of the TE rows"
+
+
+def environment_with_kept_te(env, previous_env, fresh_rows, merged_rows):
+    """run.json's environment after a partial run: `env` (this run's), and where this run timed
+    no TE rows but kept TE rows of an earlier one (a `--sweeps models` part, which has none,
+    after the parameter sweeps), the TE those rows were timed against, from the earlier run's
+    environment, so that the summary does not read as if TE had not been measured."""
+    if (any(r["provider"] == "te" for r in fresh_rows)
+            or not any(r["provider"] == "te" for r in merged_rows)):
+        return env
+    kept = previous_env.get(TE_OF_KEPT_ROWS)
+    if kept is None and not previous_env.get("Transformer Engine", "").startswith("not available"):
+        kept = previous_env.get("Transformer Engine")
+    return env | {TE_OF_KEPT_ROWS: kept} if kept else env
+
+
 def device_header():
     """'device <GPU>  torch <version>  triton <version>': how an A/B script's log begins."""
     import torch
