@@ -369,6 +369,13 @@ def environment_with_kept_te(env, previous_env, fresh_rows, merged_rows):
     return env | {TE_OF_KEPT_ROWS: kept} if kept else env
 
 
+def te_of_rows(env):
+    """The TE a folder's TE rows were timed against: its last run's, or the one
+    `environment_with_kept_te` kept where that part ran without TE."""
+    kept = env.get(TE_OF_KEPT_ROWS)
+    return f"{kept} (the last part ran without it)" if kept else env.get("Transformer Engine", "-")
+
+
 def device_header():
     """'device <GPU>  torch <version>  triton <version>': how an A/B script's log begins."""
     import torch
@@ -857,8 +864,9 @@ def write_gpus_summary():
               "|---|---|---|---|---|---|---|---|"]
     for g in gpus:
         env = runs[g].get("environment", {})
-        lines.append(f"| {g} | " + " | ".join(str(env.get(k, "-")) for k in (
-            "GPU", "driver", "torch", "triton", "Transformer Engine", "date")) + f" | {len(data[g])} |")
+        cells = [str(env.get(k, "-")) for k in ("GPU", "driver", "torch", "triton")]
+        cells += [te_of_rows(env), str(env.get("date", "-"))]
+        lines.append(f"| {g} | " + " | ".join(cells) + f" | {len(data[g])} |")
     lines += [""] + _models_across_gpus({g: model_table(rows) for g, rows in data.items()})
     lines += _sweeps_across_gpus(data)
     with open(os.path.join(ARTIFACTS_ROOT, "SUMMARY.md"), "w") as f:
@@ -1074,7 +1082,8 @@ def write_results_html(out_dir):
     env = load_json(os.path.join(out_dir, "run.json"), {}).get("environment", {})
     results = load_json(os.path.join(out_dir, "results.json"), [])
     gpu = env.get("GPU", os.path.basename(out_dir))
-    facts = [f"{k}: {env[k]}" for k in ("GPU", "driver", "torch", "triton", "Transformer Engine", "date") if k in env]
+    facts = [f"{k}: {env[k]}" for k in ("GPU", "driver", "torch", "triton", "Transformer Engine", "date",
+                                        TE_OF_KEPT_ROWS) if k in env]
     body = [f"<h1>RoPE benchmarks: {html.escape(gpu)}</h1>",
             "<p>" + "<br>".join(html.escape(f) for f in facts) + "</p>",
             f"<p>{html.escape(current_rows_line({os.path.basename(out_dir): results}).replace('`', ''))}</p>",
