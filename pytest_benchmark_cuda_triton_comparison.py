@@ -4884,6 +4884,7 @@ def test_partial_run_without_te_keeps_the_te_of_kept_te_rows():
     assert report.environment_with_kept_te(without, after, models, te_rows + models) == after
     assert report.environment_with_kept_te(without, with_te, models, models) == without
     assert report.environment_with_kept_te(with_te, without, te_rows, te_rows + models) == with_te
+    assert report.environment_with_kept_te(with_te, with_te, models, te_rows + models) == with_te
     assert report.environment_with_kept_te(without, without, models, te_rows + models) == without
     assert report.te_of_rows(after).startswith("TE C API (at /tmp/te)")
     assert report.te_of_rows(with_te) == "TE C API (at /tmp/te)"

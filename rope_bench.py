@@ -171,7 +171,8 @@ def _environment():
     te_fn, te_desc = load_te_rope()
     return {"GPU": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
             "triton": triton.__version__,
-            "Transformer Engine": te_desc if te_fn is not None else f"not available ({te_desc})",
+            "Transformer Engine": (te_desc if te_fn is not None
+                                   else f"{report.TE_NOT_AVAILABLE} ({te_desc})"),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 

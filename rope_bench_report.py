@@ -353,19 +353,25 @@ def write_json(path, value):
 
 
 TE_OF_KEPT_ROWS = "TE of the TE rows"
+TE_NOT_AVAILABLE = "not available"      # how run.json's "Transformer Engine" begins without TE
+
+
+def _ran_without_te(env):
+    return env.get("Transformer Engine", TE_NOT_AVAILABLE).startswith(TE_NOT_AVAILABLE)
 
 
 def environment_with_kept_te(env, previous_env, fresh_rows, merged_rows):
-    """run.json's environment after a partial run: `env` (this run's), and where this run timed
-    no TE rows but kept TE rows of an earlier one (a `--sweeps models` part, which has none,
-    after the parameter sweeps), the TE those rows were timed against, from the earlier run's
-    environment, so that the summary does not read as if TE had not been measured."""
-    if (any(r["provider"] == "te" for r in fresh_rows)
+    """run.json's environment after a partial run: `env` (this run's), and where this run had
+    no TE but kept TE rows of an earlier one (a `--sweeps models` part, which has no TE rows,
+    run without TE after the parameter sweeps), the TE those rows were timed against, from the
+    earlier run's environment, so that the summary does not read as if TE had not been
+    measured."""
+    if (not _ran_without_te(env) or any(r["provider"] == "te" for r in fresh_rows)
             or not any(r["provider"] == "te" for r in merged_rows)):
         return env
     kept = previous_env.get(TE_OF_KEPT_ROWS)
-    if kept is None and not previous_env.get("Transformer Engine", "").startswith("not available"):
-        kept = previous_env.get("Transformer Engine")
+    if kept is None and not _ran_without_te(previous_env):
+        kept = previous_env["Transformer Engine"]
     return env | {TE_OF_KEPT_ROWS: kept} if kept else env
 
 
