@@ -1899,6 +1899,26 @@ def test_zero_size_fused_qkv_and_inplace(qkv_shape, angles):
         assert apply_rotary_pos_emb_inplace(t, freqs) is t
 
 
+def test_fused_qkv_launch_tensors_start_where_the_planned_views_start():
+    """A fused-QKV launch passes tensors for their data pointers alone, without the views the
+    plan takes its strides from: each starts where its view starts, forward and backward, the
+    packed tensor a view itself too, so that a launch reads where the plan says."""
+    launch = triton_rotary_launch
+    split = [24, 8, 4]
+    base = torch.randn(6, 3, 2, 40, device=DEVICE)
+    qkv = base[:, :, :, 2:38]                   # packed, with a storage offset and gaps
+    grads = (torch.randn(6, 3, 6, 8, device=DEVICE), torch.randn(6, 3, 2, 8, device=DEVICE),
+             torch.randn(6, 3, 2, 4, device=DEVICE))
+    for case_grads in (None, grads):
+        result = launch.qkv_outputs(qkv, split, case_grads)
+        views = launch._qkv_views(qkv, split, case_grads, result)
+        fast = launch._qkv_launch_tensors(qkv, split, case_grads, result)
+        assert [x.data_ptr() for x in fast] == [x.data_ptr() for x in views]
+        assert len({x.data_ptr() for x in views}) == 6
+    assert ([x.data_ptr() for x in launch._packed_starts(qkv, split)]
+            == [x.data_ptr() for x in launch._packed_views(qkv, split)])
+
+
 def test_unfused_qkv_without_tokens():
     freqs = RotaryPositionEmbedding(8, device=DEVICE)(8)
     q, k, v = apply_fused_qkv_rotary_pos_emb(torch.randn(0, 2, 2, 32, device=DEVICE), freqs, freqs,

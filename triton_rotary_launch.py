@@ -2014,7 +2014,16 @@ def _packed_views(packed, split):
     """q, k and v inside a packed tensor; q as [.., kv heads, q heads per kv, d]."""
     q_dim, k_dim, _ = split
     return (packed[..., :q_dim].unflatten(-1, (q_dim // k_dim, k_dim)),
-            packed[..., q_dim:q_dim + k_dim], packed[..., q_dim + k_dim:])
+            *_packed_starts(packed, split)[1:])
+
+
+def _packed_starts(packed, split):
+    """Tensors that start where q, k and v start inside a packed tensor (q: the packed tensor
+    itself). A launch reads only their data pointers, the plan holds the views' strides
+    (`_packed_views`), and every view made per call costs CPU time: an unflatten alone about
+    as much as allocating the output."""
+    q_dim, k_dim, _ = split
+    return packed, packed[..., q_dim:q_dim + k_dim], packed[..., q_dim + k_dim:]
 
 
 def _qkv_views(qkv, split, grads, result):
@@ -2029,14 +2038,27 @@ def _qkv_views(qkv, split, grads, result):
     return dq.unflatten(2, (kv_heads, q_per_kv)), q_packed, dk, k_packed, dv, v_packed
 
 
+def _qkv_launch_tensors(qkv, split, grads, result):
+    """`_qkv_views`' six tensors as a launch needs them, for their data pointers alone (the
+    plan holds the views' strides): the packed tensor's parts from `_packed_starts`, q's
+    result and gradient as they are."""
+    if grads is None:
+        q, k, v = _packed_starts(qkv, split)
+        return q, result[0], k, result[1], v, result[2]
+    q, k, v = _packed_starts(result, split)
+    dq, dk, dv = grads
+    return dq, q, dk, k, dv, v
+
+
 def qkv_outputs(qkv, split, grads=None):
-    lead, kv_heads = qkv.shape[:2], qkv.shape[2]
-    new = functools.partial(torch.empty, dtype=qkv.dtype, device=qkv.device)
     if grads is not None:
-        return new(qkv.shape)
+        return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    lead, kv_heads = qkv.shape[:2], qkv.shape[2]
     q_dim, k_dim, v_dim = split
-    return (new(*lead, kv_heads * (q_dim // k_dim), k_dim), new(*lead, kv_heads, k_dim),
-            new(*lead, kv_heads, v_dim))
+    dtype, device = qkv.dtype, qkv.device
+    return (torch.empty(*lead, kv_heads * (q_dim // k_dim), k_dim, dtype=dtype, device=device),
+            torch.empty(*lead, kv_heads, k_dim, dtype=dtype, device=device),
+            torch.empty(*lead, kv_heads, v_dim, dtype=dtype, device=device))
 
 
 def check_norm_pair(q_norm, k_norm):
@@ -2179,7 +2201,7 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
         inputs = (None, None)
         q_partial = k_partial = None
         if grads is not None:
-            q_in, k_in, _ = _packed_views(qkv, plan.split)
+            q_in, k_in, _ = _packed_starts(qkv, plan.split)
             inputs = ((q_in, plan.input_strides[0]), (k_in, plan.input_strides[1]))
             partials = _pair_partial_sums(plan.weight_gradients, qkv)
             q_partial, k_partial, _ = partials
@@ -2187,7 +2209,8 @@ def set_rotary_qkv_kernel(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_form
                  for norm, x, partial in zip((q_norm, k_norm), inputs, (q_partial, k_partial))]
     if plan.launch is not None:
         q_source, k_source = sources
-        q_src, q_dst, k_src, k_dst, v_src, v_dst = _qkv_views(qkv, plan.split, grads, result)
+        q_src, q_dst, k_src, k_dst, v_src, v_dst = _qkv_launch_tensors(qkv, plan.split, grads,
+                                                                        result)
         strides = plan.view_strides
         # The kernel's groups as plain tuples, field by field (`_Launch` says why).
         plan.launch(

@@ -1,7 +1,8 @@
 """CPU µs of our Python per call, on any CPU and no GPU: the calls of host_launch_layers.py
 under Triton's interpreter with every compiled-kernel launch replaced by a no-op, so what is
 timed is the entry point, the autograd wiring and the launcher up to Triton's C launcher
-([128, 1, 8, 64] bf16, TE's table and the module; q and k: that and a k of 2 heads). Minimum
+([128, 1, 8, 64] bf16, TE's table and the module; q and k: that and a k of 2 heads; fused QKV:
+[128, 1, 2, 256] packed as 4 query, 2 key and 2 value heads of d 64). Minimum
 of 25 rounds of 4000 calls. Give it the folder of the sources to time (two folders: an A/B,
 one process each).
 
@@ -28,6 +29,11 @@ torch.autograd.grad(M.apply_rotary_pos_emb(x, module), x, grad)
 k = torch.randn(128, 1, 2, 64, dtype=torch.bfloat16, requires_grad=True)
 grad_k = torch.randn_like(k)
 torch.autograd.grad(M.apply_rotary_pos_emb_qk(x, k, freqs), (x, k), (grad, grad_k))
+split = [128, 64, 64]                    # fused QKV: 4 query, 2 key and value heads of d 64
+qkv = torch.randn(128, 1, 2, 256, dtype=torch.bfloat16, requires_grad=True)
+grads_qkv = [torch.randn_like(o) for o in M.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split)]
+torch.autograd.grad(M.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split), qkv, grads_qkv)
+M.apply_fused_qkv_rotary_pos_emb(qkv.detach(), freqs, freqs, split)
 
 
 def no_launch(*args):
@@ -60,6 +66,9 @@ rows = {
     "rt ours positions": lambda: torch.autograd.grad(M.apply_rotary_pos_emb(x, module), x, grad),
     "rt ours q and k": lambda: torch.autograd.grad(M.apply_rotary_pos_emb_qk(x, k, freqs), (x, k),
                                                    (grad, grad_k)),
+    "qkv no grad": lambda: M.apply_fused_qkv_rotary_pos_emb(qkv.detach(), freqs, freqs, split),
+    "rt qkv": lambda: torch.autograd.grad(M.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split),
+                                          qkv, grads_qkv),
 }
 plans = len(L._PLANS)
 times = {name: min(timeit.repeat(fn, number=4000, repeat=25)) / 4000 * 1e6 for name, fn in rows.items()}
