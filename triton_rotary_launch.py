@@ -2019,8 +2019,8 @@ def _packed_views(packed, split):
 
 def _packed_starts(packed, split):
     """Tensors that start where q, k and v start inside a packed tensor (q: the packed tensor
-    itself). A launch reads only their data pointers, the plan holds the views' strides
-    (`_packed_views`), and every view made per call costs CPU time: an unflatten alone about
+    itself). A launch needs of them only where they start (the plan holds the views' strides,
+    `_packed_views`), and every view made per call costs CPU time: an unflatten alone about
     as much as allocating the output."""
     q_dim, k_dim, _ = split
     return packed, packed[..., q_dim:q_dim + k_dim], packed[..., q_dim + k_dim:]
@@ -2039,9 +2039,9 @@ def _qkv_views(qkv, split, grads, result):
 
 
 def _qkv_launch_tensors(qkv, split, grads, result):
-    """`_qkv_views`' six tensors as a launch needs them, for their data pointers alone (the
-    plan holds the views' strides): the packed tensor's parts from `_packed_starts`, q's
-    result and gradient as they are."""
+    """`_qkv_views`' six tensors as a launch needs them, for where they start (the plan holds
+    the views' strides): the packed tensor's parts from `_packed_starts`, q's result and
+    gradient as they are."""
     if grads is None:
         q, k, v = _packed_starts(qkv, split)
         return q, result[0], k, result[1], v, result[2]
