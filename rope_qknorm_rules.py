@@ -147,11 +147,11 @@ def graphed_under_rules(step, rules, sets):
     return graphs, results
 
 
-def time_graphs(graphs, nsets):
-    """Median µs per step of each graph, interleaved round-robin."""
+def time_graphs(graphs, nsets, rounds=ROUNDS):
+    """Median µs per step of each graph (anything with a `replay()`), interleaved round-robin."""
     times = {k: [] for k in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for k, graph in graphs.items():
             start.record()
             for _ in range(REPLAYS):

@@ -29,17 +29,14 @@ import triton
 
 import triton_rotary_launch as L
 import triton_rotary_main as M
-from rope_qknorm_rules import POINTS, build, graphed_over, lines, time_graphs
+from rope_qknorm_rules import POINTS, build, lines, time_graphs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from weight_gradient_pass_cost import captured  # noqa: E402
 
 label = sys.argv[2]
 print(label, L.__file__, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
       torch.__version__, triton.__version__, flush=True)
-
-
-def captured(step, sets):
-    L._PLANS.clear()
-    step(sets[0])
-    return graphed_over(step, sets)
 
 
 def check(P, p):
