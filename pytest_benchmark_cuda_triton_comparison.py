@@ -4642,6 +4642,93 @@ def test_models_points_are_large_enough_and_their_lines_agree():
             assert not work["x"].is_contiguous() and work["x"].transpose(1, 2).is_contiguous()
 
 
+def test_models_rotating_sets_are_distinct_and_move_enough_bytes(monkeypatch):
+    """A models point is timed over independent input sets that together move at least
+    ROTATING_BYTES per pass (so that no call reads what the one before left in L2), capped at
+    MAX_SETS; each set has its own input."""
+    import rope_bench
+    point = report.MODEL_POINT_BY_NAME["8B-TP1-k-8K"]
+    shrink = _model_tokens(point) // 16
+    per_set = 2 * rope_bench._model_workload(point, torch.float32, shrink)["x"].nbytes
+    monkeypatch.setattr(rope_bench, "ROTATING_BYTES", 5 * per_set - 1)
+    works = rope_bench._rotating_workloads(point, torch.float32, shrink)
+    assert len(works) == 5
+    assert len({w["x"].data_ptr() for w in works}) == 5
+    assert not any(torch.equal(works[0]["x"], w["x"]) for w in works[1:])
+    monkeypatch.setattr(rope_bench, "MAX_SETS", 3)
+    assert len(rope_bench._rotating_workloads(point, torch.float32, shrink)) == 3
+
+
+class _FakeClock:
+    """CUDA events on a clock that only runners advance: `replay_ms` on a CPU."""
+    now = 0.0
+
+    def __init__(self, **_):
+        self.at = None
+
+    def record(self):
+        self.at = _FakeClock.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+class _FakeRunner:
+    def __init__(self, costs):
+        self.costs, self.replays = iter(costs), 0
+
+    def replay(self):
+        self.replays += 1
+        _FakeClock.now += next(self.costs)
+
+
+def test_replay_ms_gives_median_and_percentiles_per_call(monkeypatch):
+    """`replay_ms` times each runner `replays` times per round, round-robin, and reports per
+    call (a replay makes `calls_per_replay` calls) the median and the 20th and 80th
+    percentiles over the rounds."""
+    import rope_bench
+    monkeypatch.setattr(torch.cuda, "Event", _FakeClock)
+    # Round r costs r ms per replay of a; b costs 7 ms per replay throughout.
+    a = _FakeRunner(r for r in range(1, 6) for _ in range(2))
+    b = _FakeRunner([7.0] * 10)
+    timed = rope_bench.replay_ms({"a": a, "b": b}, calls_per_replay=4, replays=2, rounds=5)
+    assert a.replays == b.replays == 10
+    # Per call: round r's 2 replays of r ms over 8 calls: r / 4 ms, r = 1..5.
+    median, p20, p80 = timed["a"]
+    assert median == pytest.approx(3 / 4) and p20 == pytest.approx(1.8 / 4) and p80 == pytest.approx(4.2 / 4)
+    assert timed["b"] == pytest.approx((7 / 4,) * 3)
+
+
+def test_models_rows_take_the_faster_copy_and_count_two_passes_forward_backward():
+    """Each row's reference is the faster of the two copies of the bytes its provider moves
+    (Liger: q and k), doubled for the forward+backward modes (two passes); the copy rows are
+    of x's bytes; a provider whose runner failed has no row; rows say how they were timed."""
+    import rope_bench
+    x_bytes, qk_bytes = 100, 160
+    modes = ["forward_kernel", "forward+backward (CUDA graph)"]
+    timed = {("copy", x_bytes): (2.0, 1.9, 2.1), ("triton_copy", x_bytes): (1.8, 1.7, 1.9),
+             ("copy", qk_bytes): (3.0, 2.9, 3.1), ("triton_copy", qk_bytes): (3.3, 3.2, 3.4),
+             ("triton", "forward_kernel"): (2.0, 1.95, 2.05),
+             ("triton", "forward+backward (CUDA graph)"): (4.5, 4.4, 4.6),
+             ("liger", "forward_kernel"): (4.0, 3.9, 4.1)}
+    rows = rope_bench._models_rows("p", "bf16", modes, timed, {"triton": x_bytes, "liger": qk_bytes},
+                                   x_bytes, sets=3)
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    assert sorted(by) == sorted([(p, m) for p in ("copy", "triton_copy", "triton") for m in modes]
+                                + [("liger", "forward_kernel")])
+    assert all(r["timing"] == report.MODELS_TIMING and r["sets"] == 3 and r["x"] == "p" for r in rows)
+    fwd, step = "forward_kernel", "forward+backward (CUDA graph)"
+    assert (by["copy", fwd]["ms"], by["copy", fwd]["copy_ms"], by["copy", fwd]["bytes"]) == (1.8, 1.8, 100)
+    assert (by["copy", step]["ms"], by["copy", step]["p80"], by["copy", step]["bytes"]) == (3.6, 3.8, 200)
+    assert (by["triton_copy", step]["ms"], by["triton_copy", step]["copy_ms"]) == (3.6, 3.6)
+    assert report.fraction(by["triton", fwd]) == pytest.approx(0.9)
+    assert (by["triton", step]["copy_ms"], by["triton", step]["bytes"]) == (3.6, 200)
+    assert (by["liger", fwd]["copy_ms"], by["liger", fwd]["bytes"]) == (3.0, 160)
+
+
 def test_models_time_fp16_and_parameter_sweeps_do_not(monkeypatch):
     """`--dtypes` names bf16, fp16 and fp32 by default: the models sweep times each, the
     parameter sweeps (TE's comparisons, in bf16 and fp32) skip fp16."""

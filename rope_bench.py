@@ -23,6 +23,7 @@ from rope_bench_report import (
     KERNEL_MODES,
     MODEL_MODES,
     MODEL_POINTS,
+    MODELS_TIMING,
     MODES,
     PEERS,
     PROVIDERS,
@@ -448,35 +449,6 @@ def graphed(step):
     return graph
 
 
-def _model_line_ms(line, mode, state):
-    """(median, p20, p80) ms of one provider in one models mode. The kernels alone are
-    replayed from a CUDA graph: called eagerly, a provider whose host work per call outlasts
-    the cache flush before it (the fused QKV's views and outputs, a peer's cos/sin setup)
-    would leave the GPU idle inside its own timing. The autograd step is built once per
-    provider and point (`state`) and serves both forward+backward modes."""
-    if mode in KERNEL_MODES:
-        if mode not in state:
-            with torch.no_grad():
-                state[mode] = graphed(line.forward if mode == "forward_kernel" else line.backward)
-        return _bench_ms(state[mode].replay)
-    if "step" not in state:
-        state["step"] = line.make_step()
-    if mode == "forward+backward":
-        return _bench_ms(state["step"])
-    graph = graphed(state["step"])
-    return _bench_ms(graph.replay)
-
-
-def _reference_line(copy, src):
-    """A reference that reads and writes src's bytes once per pass: `copy` serves forward and
-    backward, two of it the forward+backward step."""
-    return _Line(copy, copy, lambda: (lambda: (copy(), copy())), 2 * src.nbytes)
-
-
-def _copy_line(src):
-    return _reference_line(lambda: torch.empty_like(src).copy_(src), src)   # the memory roofline
-
-
 @triton.jit
 def _triton_copy_kernel(OUT, X, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -489,82 +461,176 @@ def _triton_copy_kernel(OUT, X, n, BLOCK: tl.constexpr):
 # of the block sizes tried on the H200.
 TRITON_COPY_BLOCK, TRITON_COPY_WARPS = 1024, 4
 
+# The models sweep times every provider as a model runs it: back to back, each call on inputs
+# that are not in L2. Per point and dtype, as many input sets as move ROTATING_BYTES per pass
+# (several times the 50-60 MB L2 of an H100 or H200), at most MAX_SETS; a provider's calls on
+# every set are captured in one CUDA graph, replayed REPLAYS times between two events, and the
+# graphs of all providers and modes are replayed round-robin ROUNDS times, so that a drift of
+# the GPU's clocks falls on all of them. Against this, a single call replayed after an L2 flush
+# (triton.testing.do_bench) read the 16 MiB points 2-7% lower and the larger ones within about
+# 1% on the H200, copies included (artifacts/bench_method/rotating_sets_probe_h200.log).
+ROTATING_BYTES = 512 << 20
+MAX_SETS = 32
+REPLAYS, ROUNDS = 4, 25
 
-def _triton_copy_line(src):
-    flat = src.reshape(-1)
 
-    def copy():
-        out = torch.empty_like(flat)
-        _triton_copy_kernel[(triton.cdiv(flat.numel(), TRITON_COPY_BLOCK),)](
-            out, flat, flat.numel(), BLOCK=TRITON_COPY_BLOCK, num_warps=TRITON_COPY_WARPS)
-        return out
-    return _reference_line(copy, src)
+def _rotating_workloads(point, dtype, shrink=1):
+    """`_model_workload` of `point` once per input set: enough sets to move ROTATING_BYTES per
+    pass (each set's x read and written once), at most MAX_SETS."""
+    works = [_model_workload(point, dtype, shrink)]
+    per_set = 2 * works[0]["x"].nbytes
+    while len(works) < MAX_SETS and per_set * len(works) < ROTATING_BYTES:
+        works.append(_model_workload(point, dtype, shrink))
+    return works
 
 
-def _copy_ms(copies, x, moved, mode):
-    """Timing of a device copy of `moved` bytes (read + written) for `mode`, measured once per
-    point and dtype: x itself where the provider moves x, else a flat buffer of x's dtype. One
-    copy for the kernel modes, two for the forward+backward modes; always eager: captured in
-    a CUDA graph, a large copy becomes a memcpy node that runs far below the copy kernel's
-    speed (0.40 instead of 0.26 ms for 512 MB on the H200), which would flatter everything
-    measured against it."""
-    if moved not in copies:
-        src = x if moved == 2 * x.nbytes else torch.empty(moved // 2 // x.element_size(),
-                                                          dtype=x.dtype, device=x.device)
-        copies[moved] = (_copy_line(src), {})
-    line, done = copies[moved]
-    passes = 1 if mode.endswith("_kernel") else 2
-    if passes not in done:
-        done[passes] = _bench_ms(line.forward if passes == 1 else line.make_step())
-    return done[passes]
+def _over_sets(calls):
+    """One call of each of `calls` (one per input set), in order: what a graph captures."""
+    return lambda: [call() for call in calls]
+
+
+def _copy_graphs(moved, dtype, sets):
+    """Per input set, `moved` bytes (read + written) copied into a buffer allocated once, as
+    graphs: {"copy": torch's copy_ (memcpy nodes), "triton_copy": the plain Triton copy
+    kernel}. A provider's fraction of copy speed is against the faster of the two."""
+    n = moved // 2 // torch.empty((), dtype=dtype).element_size()
+    srcs = [torch.randn(n, device=DEVICE).to(dtype) for _ in range(sets)]
+    dsts = [torch.empty_like(src) for src in srcs]
+
+    def triton_copy(src, dst):
+        return lambda: _triton_copy_kernel[(triton.cdiv(n, TRITON_COPY_BLOCK),)](
+            dst, src, n, BLOCK=TRITON_COPY_BLOCK, num_warps=TRITON_COPY_WARPS)
+    return {"copy": graphed(_over_sets([functools.partial(d.copy_, s) for s, d in zip(srcs, dsts)])),
+            "triton_copy": graphed(_over_sets([triton_copy(s, d) for s, d in zip(srcs, dsts)]))}
+
+
+class _EagerSteps:
+    """The eager autograd steps of every input set, replayed as a graph is (`replay()`): the
+    forward+backward mode, whose host work per step is part of what it measures."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def replay(self):
+        for step in self.steps:
+            step()
+
+
+def _provider_runner(lines, mode):
+    """What one replay of `mode` runs for one provider (`lines`: its _Line per input set):
+    a graph of the kernels alone or of the autograd step, or the eager steps."""
+    if mode in KERNEL_MODES:
+        with torch.no_grad():
+            return graphed(_over_sets([ln.forward if mode == "forward_kernel" else ln.backward
+                                       for ln in lines]))
+    if mode == "forward+backward":
+        return _EagerSteps([ln.make_step() for ln in lines])
+    return graphed(_over_sets([ln.make_step() for ln in lines]))
+
+
+def replay_ms(runners, calls_per_replay, replays=REPLAYS, rounds=ROUNDS):
+    """{key: (median, p20, p80) ms per call} of each of `runners` (anything with `replay()`
+    that makes `calls_per_replay` calls), replayed `replays` times between two events,
+    round-robin over `rounds` rounds."""
+    times = {key: [] for key in runners}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for key, runner in runners.items():
+            start.record()
+            for _ in range(replays):
+                runner.replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) / (replays * calls_per_replay))
+    _BENCH_CALLS[0] += len(runners)
+    return {key: _median_p20_p80(v) for key, v in times.items()}
+
+
+def _median_p20_p80(values):
+    """(median, 20th, 80th percentile) of `values`, as do_bench's quantiles give them."""
+    ordered = sorted(values)
+
+    def at(q):      # linear interpolation between the closest ranks
+        pos = q * (len(ordered) - 1)
+        low = int(pos)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    return at(0.5), at(0.2), at(0.8)
 
 
 def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progress="[models]"):
-    """Time every models point: per provider and mode its ms and the ms of an eager device
-    copy of the same bytes (one copy per pass; two for forward+backward). Inputs are built
-    once per point and dtype and freed before the next. `progress` starts the line printed
-    per point and dtype."""
+    """Time every models point over rotating input sets (ROTATING_BYTES says how): per
+    provider and mode its ms per call, and the ms of the faster device copy of the same bytes
+    (one copy per pass; two for forward+backward). Inputs are built once per point and dtype
+    and freed before the next. `progress` starts the line printed per point and dtype."""
     import gc
     points = points or MODEL_POINTS
     for j, point in enumerate(points, 1):
         for dtype_name in dtype_names:
             print(f"{progress}, {dtype_name}, modes {'/'.join(modes)}, point {j}/{len(points)}: "
                   f"{point['name']}", flush=True)
-            work = _model_workload(point, BENCH_DTYPES[dtype_name], shrink)
-            x = work["x"]
+            works = _rotating_workloads(point, BENCH_DTYPES[dtype_name], shrink)
+            x = works[0]["x"]
             if shrink == 1 and x.numel() * 2 < MIN_MODEL_INPUT_BYTES:
                 raise ValueError(f"models point {point['name']}: input {x.numel() * 2} bytes in bf16, "
                                  f"below {MIN_MODEL_INPUT_BYTES}")
-            for name, why in work["skipped"].items():
+            for name, why in works[0]["skipped"].items():
                 print(f"  models {point['name']} {dtype_name}: {name} left out: {why}", flush=True)
-            copies = {}   # moved bytes -> (copy _Line, {passes: timing})
-            references = [("copy", _copy_line(x)), ("triton_copy", _triton_copy_line(x))]
-            for provider, line in references + list(work["lines"].items()):
-                state = {}
+            runners, moved_by = {}, {}      # (provider, mode or bytes) -> runner; provider -> bytes
+            for provider in works[0]["lines"]:
+                lines = [w["lines"][provider] for w in works]
+                moved_by[provider] = lines[0].moved
                 for mode in modes:
                     try:
-                        reference = _copy_ms(copies, x, line.moved, mode)
-                        timing = reference if provider == "copy" else _model_line_ms(line, mode, state)
+                        runners[(provider, mode)] = _provider_runner(lines, mode)
                     except Exception as err:  # e.g. a path not written yet: leave the point out
                         print(f"  models {point['name']} {dtype_name} {mode}: {provider} failed: "
                               f"{err!r}"[:400], flush=True)
-                        try:   # let a failed launch or capture surface here, not in the next timing
+                        try:   # let a failed launch or capture surface here, not in the timing
                             if ON_GPU:
                                 torch.cuda.synchronize()
                         except Exception as sync_err:
                             print(f"  after that failure: {sync_err!r}", flush=True)
-                        continue
-                    moved = line.moved * (2 if mode.startswith("forward+backward") else 1)
-                    results.append(dict(sweep="models", x=point["name"], dtype=dtype_name, mode=mode,
-                                        provider=provider, ms=timing[0], p20=timing[1], p80=timing[2],
-                                        bytes=moved, copy_ms=reference[0], **stamp))
-                    print(f"  models {point['name']} {dtype_name} {mode} {provider}: {timing[0]:.4f} ms, "
-                          f"{reference[0] / timing[0]:.3f} of copy ({moved / timing[0] / 1e6:.0f} GB/s)",
-                          flush=True)
-            del work, x, copies, line, state
+            for moved in sorted({2 * x.nbytes, *moved_by.values()}):
+                for name, graph in _copy_graphs(moved, x.dtype, len(works)).items():
+                    runners[(name, moved)] = graph
+            timed = replay_ms(runners, len(works))
+            for row in _models_rows(point["name"], dtype_name, modes, timed, moved_by,
+                                    2 * x.nbytes, len(works)):
+                results.append(row | stamp)
+                print(f"  models {point['name']} {dtype_name} {row['mode']} {row['provider']}: "
+                      f"{row['ms']:.4f} ms, {row['copy_ms'] / row['ms']:.3f} of copy "
+                      f"({row['bytes'] / row['ms'] / 1e6:.0f} GB/s)", flush=True)
+            del works, x, runners, timed
             gc.collect()
             if ON_GPU:
                 torch.cuda.empty_cache()
+
+
+def _models_rows(name, dtype_name, modes, timed, moved_by, copy_bytes, sets):
+    """The rows of one models point and dtype from `replay_ms`'s timings: keyed (provider,
+    mode) for the providers (`moved_by`: the bytes one pass of each reads and writes), and
+    ("copy", bytes) and ("triton_copy", bytes) for the copies of those bytes. The copy rows
+    are of `copy_bytes` (x read and written): "copy" the faster of the two copies, the
+    reference of every row. A forward+backward step is two passes: two copies."""
+    moved_by = dict(moved_by, copy=copy_bytes, triton_copy=copy_bytes)
+    rows = []
+    for provider in ["copy", "triton_copy"] + [p for p in moved_by if p not in ("copy", "triton_copy")]:
+        moved = moved_by[provider]
+        fastest = min(timed[("copy", moved)], timed[("triton_copy", moved)])
+        for mode in modes:
+            passes = 2 if mode.startswith("forward+backward") else 1
+            if provider in ("copy", "triton_copy"):
+                timing = tuple(passes * t for t in (fastest if provider == "copy" else
+                                                    timed[("triton_copy", moved)]))
+            elif (provider, mode) in timed:
+                timing = timed[(provider, mode)]
+            else:           # its runner failed to build (said where it failed)
+                continue
+            rows.append(dict(sweep="models", x=name, dtype=dtype_name, mode=mode, provider=provider,
+                             ms=timing[0], p20=timing[1], p80=timing[2], bytes=passes * moved,
+                             copy_ms=passes * fastest[0], sets=sets, timing=MODELS_TIMING))
+    return rows
 
 
 def _autograd_overhead():

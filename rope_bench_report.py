@@ -120,12 +120,16 @@ DTYPE_NAMES = ("bf16", "fp32")            # the parameter sweeps
 # The models sweep also times fp16 (the half precision TE and inference stacks serve).
 MODEL_DTYPE_NAMES = ("bf16", "fp16", "fp32")
 MODES = ("forward", "backward", "forward+backward")
-# The models sweep times the kernels alone (one call, replayed from a CUDA graph), the eager
-# autograd step, and the same step replayed from a CUDA graph: eager minus graph is what the
-# host costs per step.
+# The models sweep times the kernels alone (replayed from a CUDA graph), the eager autograd
+# step, and the same step replayed from a CUDA graph: eager minus graph is what the host costs
+# per step.
 KERNEL_MODES = ("forward_kernel", "backward_kernel")
 EAGER_STEP, GRAPHED_STEP = "forward+backward", "forward+backward (CUDA graph)"
 MODEL_MODES = KERNEL_MODES + (EAGER_STEP, GRAPHED_STEP)
+# The `timing` field of a models row timed over rotating input sets (rope_bench.ROTATING_BYTES);
+# rows without it were timed one call at a time after an L2 flush, which reads small points
+# lower, copies included.
+MODELS_TIMING = "rotating sets"
 
 PROVIDERS = {"torch": "Torch Native", "compile": "torch.compile", "te": "Transformer Engine",
              "triton": "Triton", "copy": "Device copy"}
@@ -607,9 +611,14 @@ def current_rows_line(data):
     """One line: how many rows of each GPU are of the current device code. `data`: {gpu:
     rows}."""
     counts = ", ".join(f"{g} {sum(map(is_current, rows))} of {len(rows)}" for g, rows in data.items())
+    models = {g: [r for r in rows if r["sweep"] == "models"] for g, rows in data.items()}
+    timing = ", ".join(f"{g} {sum(r.get('timing') == MODELS_TIMING for r in rows)} of {len(rows)}"
+                       for g, rows in models.items())
     return (f"Rows of the current device code ({device_code_stamp()}, `device_code_stamp` in "
             f"rope_bench_report.py): {counts}. Rows without that stamp predate it until rerun "
-            "or restamped.")
+            f"or restamped. Models rows timed over rotating input sets (docs/benchmarks.md): "
+            f"{timing}; the others were timed one call at a time after an L2 flush, which reads "
+            "the smallest points a few percent lower.")
 
 
 def restamp_lines(run):
