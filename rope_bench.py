@@ -466,9 +466,10 @@ TRITON_COPY_BLOCK, TRITON_COPY_WARPS = 1024, 4
 # (several times the 50-60 MB L2 of an H100 or H200), at most MAX_SETS; a provider's calls on
 # every set are captured in one CUDA graph, replayed REPLAYS times between two events, and the
 # graphs of all providers and modes are replayed round-robin ROUNDS times, so that a drift of
-# the GPU's clocks falls on all of them. Against this, a single call replayed after an L2 flush
-# (triton.testing.do_bench) read the 16 MiB points 2-7% lower and the larger ones within about
-# 1% on the H200, copies included (artifacts/bench_method/rotating_sets_probe_h200.log).
+# the GPU's clocks falls on all of them. A single call replayed after an L2 flush
+# (triton.testing.do_bench), as before, read the plain Triton copy 0.93-1.02 of an eager copy
+# at the 16 MiB points on the H200, and our rows from 0.044 lower to 0.063 higher than
+# rotating sets do (docs/benchmarks.md).
 ROTATING_BYTES = 512 << 20
 MAX_SETS = 32
 REPLAYS, ROUNDS = 4, 25
@@ -489,6 +490,17 @@ def _over_sets(calls):
     return lambda: [call() for call in calls]
 
 
+class _GraphWithBuffers:
+    """A CUDA graph and the tensors it reads and writes that nothing else holds (a graph keeps
+    their addresses, not the tensors)."""
+
+    def __init__(self, step, buffers):
+        self.graph, self.buffers = graphed(step), buffers
+
+    def replay(self):
+        self.graph.replay()
+
+
 def _copy_graphs(moved, dtype, sets):
     """Per input set, `moved` bytes (read + written) copied into a buffer allocated once, as
     graphs: {"copy": torch's copy_ (memcpy nodes), "triton_copy": the plain Triton copy
@@ -500,8 +512,11 @@ def _copy_graphs(moved, dtype, sets):
     def triton_copy(src, dst):
         return lambda: _triton_copy_kernel[(triton.cdiv(n, TRITON_COPY_BLOCK),)](
             dst, src, n, BLOCK=TRITON_COPY_BLOCK, num_warps=TRITON_COPY_WARPS)
-    return {"copy": graphed(_over_sets([functools.partial(d.copy_, s) for s, d in zip(srcs, dsts)])),
-            "triton_copy": graphed(_over_sets([triton_copy(s, d) for s, d in zip(srcs, dsts)]))}
+    buffers = (srcs, dsts)
+    return {"copy": _GraphWithBuffers(
+                _over_sets([functools.partial(d.copy_, s) for s, d in zip(srcs, dsts)]), buffers),
+            "triton_copy": _GraphWithBuffers(
+                _over_sets([triton_copy(s, d) for s, d in zip(srcs, dsts)]), buffers)}
 
 
 class _EagerSteps:
@@ -576,35 +591,56 @@ def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progr
                                  f"below {MIN_MODEL_INPUT_BYTES}")
             for name, why in works[0]["skipped"].items():
                 print(f"  models {point['name']} {dtype_name}: {name} left out: {why}", flush=True)
-            runners, moved_by = {}, {}      # (provider, mode or bytes) -> runner; provider -> bytes
+            # The kernels alone and the copies, round-robin; then each provider's autograd
+            # steps on their own, right after their capture (the comment above `_built` says why).
+            runners, moved_by, steps = {}, {}, {}
             for provider in works[0]["lines"]:
                 lines = [w["lines"][provider] for w in works]
                 moved_by[provider] = lines[0].moved
                 for mode in modes:
-                    try:
-                        runners[(provider, mode)] = _provider_runner(lines, mode)
-                    except Exception as err:  # e.g. a path not written yet: leave the point out
-                        print(f"  models {point['name']} {dtype_name} {mode}: {provider} failed: "
-                              f"{err!r}"[:400], flush=True)
-                        try:   # let a failed launch or capture surface here, not in the timing
-                            if ON_GPU:
-                                torch.cuda.synchronize()
-                        except Exception as sync_err:
-                            print(f"  after that failure: {sync_err!r}", flush=True)
+                    into = runners if mode in KERNEL_MODES else steps
+                    into[(provider, mode)] = lambda lines=lines, mode=mode: _provider_runner(lines, mode)
+            runners = _built(runners, point["name"], dtype_name)
             for moved in sorted({2 * x.nbytes, *moved_by.values()}):
                 for name, graph in _copy_graphs(moved, x.dtype, len(works)).items():
                     runners[(name, moved)] = graph
             timed = replay_ms(runners, len(works))
+            del runners
+            for key, build in steps.items():
+                timed.update(replay_ms(_built({key: build}, point["name"], dtype_name), len(works)))
             for row in _models_rows(point["name"], dtype_name, modes, timed, moved_by,
                                     2 * x.nbytes, len(works)):
                 results.append(row | stamp)
                 print(f"  models {point['name']} {dtype_name} {row['mode']} {row['provider']}: "
                       f"{row['ms']:.4f} ms, {row['copy_ms'] / row['ms']:.3f} of copy "
                       f"({row['bytes'] / row['ms'] / 1e6:.0f} GB/s)", flush=True)
-            del works, x, runners, timed
+            del works, x, steps, timed
             gc.collect()
             if ON_GPU:
                 torch.cuda.empty_cache()
+
+
+# The autograd steps are timed one provider at a time, each right after its capture and
+# before the next provider's: on the H200, replaying the CUDA graph of our autograd step after
+# Liger's autograd step had been captured faulted (an illegal address; cause not found), while
+# the graphs of the kernels alone replay in any order. So the steps' rows are not interleaved
+# with the copies they are compared with.
+
+def _built(builders, name, dtype_name):
+    """{key: runner} of `builders` ({(provider, mode): function making the runner}), leaving
+    out, with a line saying why, each one that fails to build."""
+    runners = {}
+    for (provider, mode), build in builders.items():
+        try:
+            runners[(provider, mode)] = build()
+        except Exception as err:  # e.g. a path not written yet: leave the point out
+            print(f"  models {name} {dtype_name} {mode}: {provider} failed: {err!r}"[:400], flush=True)
+            try:   # let a failed launch or capture surface here, not in the timing
+                if ON_GPU:
+                    torch.cuda.synchronize()
+            except Exception as sync_err:
+                print(f"  after that failure: {sync_err!r}", flush=True)
+    return runners
 
 
 def _models_rows(name, dtype_name, modes, timed, moved_by, copy_bytes, sets):

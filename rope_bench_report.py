@@ -127,8 +127,8 @@ KERNEL_MODES = ("forward_kernel", "backward_kernel")
 EAGER_STEP, GRAPHED_STEP = "forward+backward", "forward+backward (CUDA graph)"
 MODEL_MODES = KERNEL_MODES + (EAGER_STEP, GRAPHED_STEP)
 # The `timing` field of a models row timed over rotating input sets (rope_bench.ROTATING_BYTES);
-# rows without it were timed one call at a time after an L2 flush, which reads small points
-# lower, copies included.
+# rows without it were timed one call at a time after an L2 flush (docs/benchmarks.md says how
+# the two compare).
 MODELS_TIMING = "rotating sets"
 
 PROVIDERS = {"torch": "Torch Native", "compile": "torch.compile", "te": "Transformer Engine",
@@ -617,8 +617,8 @@ def current_rows_line(data):
     return (f"Rows of the current device code ({device_code_stamp()}, `device_code_stamp` in "
             f"rope_bench_report.py): {counts}. Rows without that stamp predate it until rerun "
             f"or restamped. Models rows timed over rotating input sets (docs/benchmarks.md): "
-            f"{timing}; the others were timed one call at a time after an L2 flush, which reads "
-            "the smallest points a few percent lower.")
+            f"{timing}; the others were timed one call at a time after an L2 flush, which read "
+            "the H200's from 0.044 lower to 0.063 higher.")
 
 
 def restamp_lines(run):
