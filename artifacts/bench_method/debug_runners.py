@@ -8,12 +8,16 @@ context); run with CUDA_LAUNCH_BLOCKING=1.
 VARIANT: graphs (the graphed steps of the providers, replayed interleaved), eager_after (a
 provider's graphed step, its eager step, the graph again), eager_other (another provider's
 eager step in between), same_step (the eager steps the graph captured, as the old order had
-it), allmodes (every mode of each provider built and replayed, then every one again).
+it), allmodes (every mode of each provider built and replayed, then every one again). SETS in
+the environment: how many input sets (default 4).
 
 On an H200 (2026-11-28, 8B-TP1-k-8K, four sets unless named): graphs, eager_after,
 eager_other and same_step replayed; allmodes replayed with triton, triton_positions or
 flash_attn alone at 8B-TP1-q-8K, and faulted (an illegal address) at triton's graphed step in
 the second round with triton and liger; keeping each graph's captured outputs did not help.
+With one input set (SETS=1) the same replayed; under compute-sanitizer's memcheck the capture
+of our autograd step itself failed (cudaErrorStreamCaptureImplicit in the backward: "operation
+would make the legacy stream depend on a capturing blocking stream"), so it named no kernel.
 """
 import os
 import sys
@@ -30,7 +34,7 @@ EAGER, GRAPHED = "forward+backward", "forward+backward (CUDA graph)"
 def main():
     variant, providers = sys.argv[1], sys.argv[2].split(",")
     point = MODEL_POINT_BY_NAME[sys.argv[3] if len(sys.argv) > 3 else "8B-TP1-k-8K"]
-    works = B._rotating_workloads(point, torch.bfloat16)[:4]
+    works = B._rotating_workloads(point, torch.bfloat16)[:int(os.environ.get("SETS", 4))]
 
     def build(provider, mode):
         return B._provider_runner([w["lines"][provider] for w in works], mode)
