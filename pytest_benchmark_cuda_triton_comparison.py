@@ -4978,6 +4978,19 @@ def test_restamp_marks_rows_and_the_summary_says_so(tmp_path, monkeypatch):
         assert f"gpu {len(rows) - 2} of {len(rows)}" in text and "generated code compared: identical" in text
 
 
+def test_rows_line_counts_models_rows_by_timing():
+    """The summaries' provenance line counts, per GPU, the models rows timed over rotating
+    sets apart from the others (timed after an L2 flush), parameter-sweep rows left out."""
+    rotating = _fake_models_rows("8B-TP1-q-8K", "bf16", "forward_kernel", dict(triton=1.0), 1.0)
+    for r in rotating:
+        r["timing"] = report.MODELS_TIMING
+    flushed = _fake_models_rows("8B-TP1-k-8K", "bf16", "forward_kernel", dict(triton=1.0), 1.0)
+    sweep = _fake_sweep_rows("margin", 0, "bf16", "forward", dict(triton=1.0, copy=1.0))
+    line = report.current_rows_line({"a": rotating + flushed + sweep, "b": flushed})
+    n, m = len(rotating), len(rotating) + len(flushed)
+    assert f"rotating input sets (docs/benchmarks.md): a {n} of {m}, b 0 of {len(flushed)};" in line
+
+
 def test_partial_run_without_te_keeps_the_te_of_kept_te_rows():
     """A part run without TE (the models sweep has no TE rows) after one with it: run.json's
     environment keeps the TE the kept rows were timed against, through further parts without

@@ -851,5 +851,6 @@ def run_benchmarks(argv=None):
                       | ({"restamped": restamped} if restamped else {}))
     report.regenerate([gpu])
     print(open(os.path.join(out_dir, "SUMMARY.md")).read())
-    print(f"{_BENCH_CALLS[0]} timings (do_bench calls), {time.perf_counter() - started:.0f} s in all", flush=True)
+    print(f"{_BENCH_CALLS[0]} timings (do_bench calls and replay_ms runners), "
+          f"{time.perf_counter() - started:.0f} s in all", flush=True)
 
