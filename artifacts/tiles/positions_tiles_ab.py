@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.getcwd())
 
 import torch
+from flush_copies import flush_copies
 
 import rope_bench as B
 import triton_rotary_launch as L
@@ -79,8 +80,7 @@ def variant(tiles):
 def run_point(name, say, rows, variants=VARIANTS, paths=("triton_positions",), dtype="bf16"):
     work = B._model_workload(MODEL_POINT_BY_NAME[name], DTYPES[dtype])
     x = work["x"]
-    copy = B._copy_line(x)
-    tcopy = B._triton_copy_line(x)
+    copy, tcopy = flush_copies(x)
     graphs, mismatch = {}, []
     for mode, fn_name in MODES.items():
         for path in paths:
@@ -103,8 +103,8 @@ def run_point(name, say, rows, variants=VARIANTS, paths=("triton_positions",), d
     times = {k: [] for k in graphs}
     copy_times, tcopy_times = [], []
     for _ in range(ROUNDS):
-        copy_times.append(B._bench_ms(copy.forward)[0])
-        tcopy_times.append(B._bench_ms(tcopy.forward)[0])
+        copy_times.append(B._bench_ms(copy)[0])
+        tcopy_times.append(B._bench_ms(tcopy)[0])
         for key, graph in graphs.items():
             times[key].append(B._bench_ms(graph.replay)[0])
     copy_ms = statistics.median(copy_times)

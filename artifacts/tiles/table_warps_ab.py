@@ -21,6 +21,7 @@ import sys
 sys.path.insert(0, os.getcwd())
 
 import torch
+from flush_copies import flush_copies
 
 import rope_bench as B
 import triton_rotary_launch as L
@@ -54,8 +55,7 @@ def run_point(name, dtype_name, say, rows):
     point = MODEL_POINT_BY_NAME[name]
     work = B._model_workload(point, DTYPES[dtype_name])
     x = work["x"]
-    copy = B._copy_line(x)
-    tcopy = B._triton_copy_line(x)
+    copy, tcopy = flush_copies(x)
     graphs, mismatch = {}, []
     for provider, (path, variants) in PATHS.items():
         line = work["lines"][provider]
@@ -76,8 +76,8 @@ def run_point(name, dtype_name, say, rows):
     times = {k: [] for k in graphs}
     copy_times, tcopy_times = [], []
     for _ in range(ROUNDS):
-        copy_times.append(ms(copy.forward))
-        tcopy_times.append(ms(tcopy.forward))
+        copy_times.append(ms(copy))
+        tcopy_times.append(ms(tcopy))
         for key, graph in graphs.items():
             times[key].append(ms(graph.replay))
     copy_ms = statistics.median(copy_times)
