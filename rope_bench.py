@@ -519,9 +519,10 @@ def _copy_graphs(moved, dtype, sets):
                 _over_sets([triton_copy(s, d) for s, d in zip(srcs, dsts)]), buffers)}
 
 
-class _EagerSteps:
-    """The eager autograd steps of every input set, replayed as a graph is (`replay()`): the
-    forward+backward mode, whose host work per step is part of what it measures."""
+class EagerSteps:
+    """Calls made eagerly, one per input set, replayed as a graph is (`replay()`): the
+    forward+backward mode's autograd steps, whose host work is part of what that mode
+    measures (and rope_qknorm_bench's lines that a graph cannot capture)."""
 
     def __init__(self, steps):
         self.steps = steps
@@ -539,7 +540,7 @@ def _provider_runner(lines, mode):
             return graphed(_over_sets([ln.forward if mode == "forward_kernel" else ln.backward
                                        for ln in lines]))
     if mode == "forward+backward":
-        return _EagerSteps([ln.make_step() for ln in lines])
+        return EagerSteps([ln.make_step() for ln in lines])
     return graphed(_over_sets([ln.make_step() for ln in lines]))
 
 

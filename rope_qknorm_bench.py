@@ -16,11 +16,11 @@ Peers are optional, as in the main benchmark (docs/benchmarks.md): Liger from it
 axolotl's `src/axolotl/kernels/gemma4_fused_rope.py` (which imports Liger) as
 `.peers/axolotl/kernels/gemma4_fused_rope.py` with empty `__init__.py` files, on PYTHONPATH.
 """
+import functools
 import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -36,7 +36,7 @@ from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 
 import triton_rotary_main as trm
-from rope_bench import graphed
+from rope_bench import EagerSteps, graphed, replay_ms
 
 try:
     import liger_kernel  # noqa: F401
@@ -307,32 +307,25 @@ def bench_mode(P, mode):
             try:
                 g = graphed(lambda step=step: [step(S) for S in P.sets])
                 graphs.append(g)
-                runners[name] = (lambda g=g: [g.replay() for _ in range(REPLAYS)], True, None)
+                runners[name] = (g, True, None)
             except Exception as e:
                 torch.cuda.synchronize()
                 for _ in range(2):
                     for S in P.sets:
                         step(S)
                 note = f"capture failed ({type(e).__name__}: {str(e)[:120]}); eager timing"
-                runners[name] = (lambda step=step: [step(S) for _ in range(REPLAYS)
-                                                    for S in P.sets], False, note)
+                runners[name] = (EagerSteps([functools.partial(step, S) for S in P.sets]),
+                                 False, note)
             print(f"  {P.cfg['model']} s={P.s} {mode} {name}: ready in "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         except Exception as e:
             rows.append(dict(line=name, us=None, graph=False,
                              note=f"failed: {type(e).__name__}: {str(e)[:200]}"))
     if not DRY:
-        times = {name: [] for name in runners}
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(ROUNDS):
-            for name, (run, _, _) in runners.items():       # round-robin: drift hits all lines
-                e0.record()
-                run()
-                e1.record()
-                e1.synchronize()
-                times[name].append(e0.elapsed_time(e1) * 1e3 / (REPLAYS * len(P.sets)))
+        timed = replay_ms({name: run for name, (run, _, _) in runners.items()}, len(P.sets),
+                          replays=REPLAYS, rounds=ROUNDS)
         for name, (_, graph, note) in runners.items():
-            rows.append(dict(line=name, us=statistics.median(times[name]), graph=graph, note=note))
+            rows.append(dict(line=name, us=timed[name][0] * 1e3, graph=graph, note=note))
     for g in graphs:
         g.reset()
     del graphs, runners, lines

@@ -17,7 +17,6 @@ rule's (the same up to the order of the sums of dL/dweight). Writes OUT/rules.lo
 """
 import math
 import os
-import statistics
 import sys
 from types import SimpleNamespace
 
@@ -26,7 +25,7 @@ sys.path.insert(0, os.getcwd())
 import torch
 
 import triton_rotary_launch as L
-from rope_bench import graphed
+from rope_bench import graphed, replay_ms
 from rope_bench_report import ScriptLog, device_header, flat_outputs
 from triton_rotary_main import RotaryPositionEmbedding
 
@@ -149,17 +148,8 @@ def graphed_under_rules(step, rules, sets):
 
 def time_graphs(graphs, nsets, rounds=ROUNDS):
     """Median µs per step of each graph (anything with a `replay()`), interleaved round-robin."""
-    times = {k: [] for k in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(rounds):
-        for k, graph in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) * 1e3 / (REPLAYS * nsets))
-    return {k: statistics.median(v) for k, v in times.items()}
+    timed = replay_ms(graphs, nsets, replays=REPLAYS, rounds=rounds)
+    return {k: t[0] * 1e3 for k, t in timed.items()}
 
 
 def main():

@@ -56,7 +56,7 @@ def main():
         replay("graph again", graph)
     elif variant == "same_step":
         steps = [w["lines"][providers[0]].make_step() for w in works]
-        eager, graph = B._EagerSteps(steps), B.graphed(B._over_sets(steps))
+        eager, graph = B.EagerSteps(steps), B.graphed(B._over_sets(steps))
         for name, runner in (("eager", eager), ("graph", graph), ("eager again", eager),
                              ("graph again", graph)):
             replay(name, runner)
