@@ -4659,6 +4659,34 @@ def test_models_rotating_sets_are_distinct_and_move_enough_bytes(monkeypatch):
     assert len(rope_bench._rotating_workloads(point, torch.float32, shrink)) == 3
 
 
+class _CallsAsGraph:
+    """rope_bench.graphed's stand-in on a CPU: `replay()` calls the captured step again."""
+
+    def __init__(self, step):
+        self.step = step
+        step()
+
+    def replay(self):
+        self.step()
+
+
+def test_models_copies_move_the_bytes_they_are_compared_with(monkeypatch):
+    """Each of the two reference copies reads and writes `moved` bytes per input set: after a
+    replay every set's destination holds its source (random data, not zeros), whichever
+    copy made it."""
+    import rope_bench
+    monkeypatch.setattr(rope_bench, "graphed", _CallsAsGraph)
+    moved, sets = 2 * 3000 * 2, 3                   # 3000 bf16 elements read and written per set
+    for name, graph in rope_bench._copy_graphs(moved, torch.bfloat16, sets).items():
+        srcs, dsts = graph.buffers
+        assert len(srcs) == len(dsts) == sets and all(s.nbytes == moved // 2 for s in srcs)
+        for d in dsts:
+            d.fill_(0)
+        graph.replay()
+        for s, d in zip(srcs, dsts):
+            assert s.abs().sum() > 0 and torch.equal(s, d), name
+
+
 class _FakeClock:
     """CUDA events on a clock that only runners advance: `replay_ms` on a CPU."""
     now = 0.0
