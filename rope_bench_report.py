@@ -695,9 +695,10 @@ def _models_summary(results):
         return []
     present = [p for p in MODEL_PROVIDERS if any(p in rows for rows in table.values())]
     lines = ["## models: real shapes (ms, medians, and fraction of copy speed)", "",
-             "Fraction of copy speed = ms of an eager device copy of the same bytes (one copy per "
-             "pass, two for forward+backward) / the provider's ms (kernels alone: one call replayed "
-             "from a CUDA graph; forward+backward: eager, or replayed from a CUDA graph). Kernel "
+             "Fraction of copy speed = ms of a device copy of the same bytes (one copy per pass, "
+             "two for forward+backward) / the provider's ms (kernels alone: replayed from a CUDA "
+             "graph; forward+backward: eager, or replayed from a CUDA graph); rows timed over "
+             "rotating input sets take the faster of two graphed copies, docs/benchmarks.md. Kernel "
              "time is the kernels-alone and CUDA-graph rows: compare providers there. An eager "
              "forward+backward row is host-bound where it runs below "
              f"{HOST_BOUND_SHARE} of the speed of its CUDA-graph twin (launch and autograd "
