@@ -466,10 +466,9 @@ TRITON_COPY_BLOCK, TRITON_COPY_WARPS = 1024, 4
 # (several times the 50-60 MB L2 of an H100 or H200), at most MAX_SETS; a provider's calls on
 # every set are captured in one CUDA graph, replayed REPLAYS times between two events, and the
 # graphs of all providers and modes are replayed round-robin ROUNDS times, so that a drift of
-# the GPU's clocks falls on all of them. A single call replayed after an L2 flush
-# (triton.testing.do_bench), as before, read the plain Triton copy 0.93-1.02 of an eager copy
-# at the 16 MiB points on the H200, and our rows from 0.044 lower to 0.063 higher than
-# rotating sets do (docs/benchmarks.md).
+# the GPU's clocks falls on all of them. Timed instead one call at a time after an L2 flush
+# (triton.testing.do_bench), the plain Triton copy reads 0.93-1.02 of an eager copy at the
+# 16 MiB points on the H200, and our rows 0.044 lower to 0.063 higher (docs/benchmarks.md).
 ROTATING_BYTES = 512 << 20
 MAX_SETS = 32
 REPLAYS, ROUNDS = 4, 25
