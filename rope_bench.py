@@ -485,7 +485,10 @@ def _rotating_workloads(point, dtype, shrink=1):
 
 
 def _over_sets(calls):
-    """One call of each of `calls` (one per input set), in order: what a graph captures."""
+    """One call of each of `calls` (one per input set), in order: what a graph captures. The
+    results are kept until the last call returns, so that inside a capture no call's output
+    reuses the memory of the one before (each set writes its own output, as it reads its own
+    input)."""
     return lambda: [call() for call in calls]
 
 
@@ -504,7 +507,7 @@ def _copy_graphs(moved, dtype, sets):
     """Per input set, `moved` bytes (read + written) copied into a buffer allocated once, as
     graphs: {"copy": torch's copy_ (memcpy nodes), "triton_copy": the plain Triton copy
     kernel}. A provider's fraction of copy speed is against the faster of the two."""
-    n = moved // 2 // torch.empty((), dtype=dtype).element_size()
+    n = moved // 2 // dtype.itemsize
     srcs = [torch.randn(n, device=DEVICE).to(dtype) for _ in range(sets)]
     dsts = [torch.empty_like(src) for src in srcs]
 
@@ -649,10 +652,8 @@ def _models_rows(name, dtype_name, modes, timed, moved_by, copy_bytes, sets):
     ("copy", bytes) and ("triton_copy", bytes) for the copies of those bytes. The copy rows
     are of `copy_bytes` (x read and written): "copy" the faster of the two copies, the
     reference of every row. A forward+backward step is two passes: two copies."""
-    moved_by = dict(moved_by, copy=copy_bytes, triton_copy=copy_bytes)
     rows = []
-    for provider in ["copy", "triton_copy"] + [p for p in moved_by if p not in ("copy", "triton_copy")]:
-        moved = moved_by[provider]
+    for provider, moved in {"copy": copy_bytes, "triton_copy": copy_bytes, **moved_by}.items():
         fastest = min(timed[("copy", moved)], timed[("triton_copy", moved)])
         for mode in modes:
             passes = 2 if mode.startswith("forward+backward") else 1

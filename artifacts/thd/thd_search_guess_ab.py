@@ -55,7 +55,7 @@ def time_case(seq, full, empty):
     def copy():
         for out, x in zip(outs, xs):
             out.copy_(x)
-    # The copy stays eager (captured, a large copy is a slower memcpy node).
+    # The copy stays eager, as in the runs its log records.
     steps = graphs_by_rule(xs, freqs, cu)
     steps["copy"] = SimpleNamespace(replay=copy)
     med = time_graphs(steps, len(xs), rounds=ROUNDS)
