@@ -482,15 +482,45 @@ def test_rotary_position_embedding_matches_formula():
 
 def test_result_does_not_depend_on_batch():
     """A token's output is bit-identical whether it is rotated alone or inside a large batch,
-    although the two calls get different tiles and grids."""
+    although the two calls get different tiles and grids, and alone it is a batch of one,
+    whose tiles find its sequence index without a division (`BATCH_OF_ONE`): sbhd and bshd,
+    angles from TE's table and from positions (the token placed by start_positions)."""
     torch.manual_seed(22)
     t = torch.randn(64, 16, 8, 64, dtype=torch.bfloat16, device=DEVICE)
-    freqs = RotaryPositionEmbedding(64, device=DEVICE)(64)
-    for backward in (False, True):
-        whole = set_rotary_kernel(t, freqs, backward=backward)
-        for row in (0, 5, 63):
-            alone = set_rotary_kernel(t[row:row + 1, 3:4].clone(), freqs[row:], backward=backward)
-            assert torch.equal(whole[row:row + 1, 3:4], alone), (backward, row)
+    module = RotaryPositionEmbedding(64, device=DEVICE)
+    for fmt, x in (("sbhd", t), ("bshd", t.transpose(0, 1).contiguous())):
+        for freqs in (module(64), module):
+            for backward in (False, True):
+                whole, plan = set_rotary_kernel(x, freqs, fmt, backward=backward, return_plan=True)
+                assert not plan.launch.cfg.BATCH_OF_ONE
+                for row in (0, 5, 63):
+                    piece = x[row:row + 1, 3:4] if fmt == "sbhd" else x[3:4, row:row + 1]
+                    alone, plan = set_rotary_kernel(piece.clone(), freqs, fmt, backward=backward,
+                                                    start_positions=int_tensor([row]),
+                                                    return_plan=True)
+                    assert plan.launch.cfg.BATCH_OF_ONE
+                    same = whole[row:row + 1, 3:4] if fmt == "sbhd" else whole[3:4, row:row + 1]
+                    assert torch.equal(same, alone), (fmt, type(freqs), backward, row)
+    # thd rows are addressed by the token already: never the flag.
+    _, plan = set_rotary_kernel(t[0], module, "thd", cu_seqlens=int_tensor([0, 16]), return_plan=True)
+    assert not plan.launch.cfg.BATCH_OF_ONE
+
+
+def test_angles_are_scaled_only_where_the_scale_is_not_one():
+    """`ANGLE_SCALE` (cos and sin times the module's attention_scaling) is compiled in for a
+    scaled module (YaRN's 1.139) and left out for an unscaled one and for TE's table (whose
+    angles carry no scale); the scaled results are the float64 reference's with the scale."""
+    torch.manual_seed(23)
+    t = torch.randn(8, 2, 3, 32, device=DEVICE)
+    yarn = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=YARN)
+    plain = RotaryPositionEmbedding(32, device=DEVICE)
+    for freqs, scaled in ((yarn, True), (plain, False), (plain(8), False)):
+        out, plan = set_rotary_kernel(t, freqs, return_plan=True)
+        assert plan.launch.cfg.ANGLE_SCALE is scaled, freqs
+    assert yarn.attention_scaling > 1.1
+    pos = torch.arange(8, dtype=torch.float64)[:, None, None].expand(8, 2, 16)
+    ref = rotate64(t, pos, yarn.inv_freq, False, scale=yarn.attention_scaling)
+    torch.testing.assert_close(set_rotary_kernel(t, yarn).double().cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_negative_bit_inputs():
@@ -3687,6 +3717,21 @@ def test_sin_cos_are_computed_once_per_program():
     heads_tile, tokens_tile = _compile_tiles(dict(BLOCK_T=1, BLOCK_H=16), dict(BLOCK_T=16, BLOCK_H=1))
     assert tokens_tile["sin"] == 8, tokens_tile
     assert heads_tile["sin"] == 1, heads_tile
+
+
+def test_batch_of_one_and_unit_scale_save_instructions():
+    """A tile of a batch of one (`BATCH_OF_ONE`) finds a token's sequence without dividing by
+    the runtime batch: no reciprocal (MUFU.RCP, which an integer division by a runtime value
+    takes) and fewer instructions than the same tile of any batch; a tile whose angles are
+    not scaled (`ANGLE_SCALE` off) has fewer instructions than one that multiplies cos and sin
+    by Angles.scale. The one-head tile of MLA's key (32 tokens, 32 interleaved pairs), angles
+    from positions; the launcher's choice of both flags is tested with the plans."""
+    tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True)
+    any_batch, one, one_scaled = _compile_tiles(tile, dict(tile, BATCH_OF_ONE=True),
+                                                dict(tile, BATCH_OF_ONE=True, ANGLE_SCALE=True))
+    assert any_batch["rcp"] >= 1 and one["rcp"] == 0 and one_scaled["rcp"] == 0, (any_batch, one)
+    assert one["instructions"] < any_batch["instructions"], (one, any_batch)
+    assert one["instructions"] < one_scaled["instructions"], (one, one_scaled)
 
 
 def test_pipelined_tiles_compute_sin_cos_once_per_program():

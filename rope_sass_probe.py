@@ -7,8 +7,10 @@ TRITON_INTERPRET, so that the kernel is a JIT function.
 a JSON list of `launch_record`s) and prints, per launch, `{"ok": true}` or the compiler's error.
 
 Per tile it prints one JSON line: the number of sin.approx in the PTX (PTX is one thread's code,
-so that is the sin/cos each thread computes), the global loads in the order of the SASS, and for
-each loop of the SASS (a branch back to a label) its shared-memory stores (STS).
+so that is the sin/cos each thread computes), the global loads in the order of the SASS, for
+each loop of the SASS (a branch back to a label) its shared-memory stores (STS), the number of
+SASS instructions (NOPs left out) and of reciprocals (MUFU.RCP: an integer division by a runtime
+value takes one).
 The arguments are those of a contiguous bf16 call (`example_arguments`), specialized as Triton
 specializes them (`signature`).
 """
@@ -118,7 +120,8 @@ def loop_shared_stores(sass):
 
 def compile_tile(tile):
     """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order,
-    "loop_shared_stores": `loop_shared_stores` of the SASS}."""
+    "loop_shared_stores": `loop_shared_stores` of the SASS, "instructions": its instructions
+    but NOPs, "rcp": its MUFU.RCP}."""
     args = example_arguments(K.Variant(**{**DEFAULT_TILE, **tile}))
     sig, constexprs, attrs = signature(K.rotary_kernel, args)
     kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -129,9 +132,12 @@ def compile_tile(tile):
         cubin.flush()
         sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True,
                               check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass, re.M)
     return {"sin": len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])),
             "loads": re.findall(r"\bLDG\.[\w.]+", sass),
-            "loop_shared_stores": loop_shared_stores(sass)}
+            "loop_shared_stores": loop_shared_stores(sass),
+            "instructions": sum(op != "NOP" for op in ops),
+            "rcp": ops.count("MUFU.RCP")}
 
 
 _POINTER_TYPES = {"float64": "*fp64", "float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16",

@@ -98,7 +98,8 @@ NORM_OVER_TOKEN = tl.constexpr(2)        # over all heads of a token (OLMo 2); w
 # an integer on == 1 and on divisibility by 16 (a stride of 1 becomes a constant, which makes
 # channel access contiguous). `do_not_specialize` reaches only plain parameters, so the sizes
 # that change with every input (token counts, batch, context-parallel rank) stay plain
-# parameters: a new length then never compiles a new kernel.
+# parameters: a new length then never compiles a new kernel. Only a batch of one compiles a
+# variant of its own, once (`Variant.BATCH_OF_ONE`).
 
 
 class View(NamedTuple):
@@ -210,6 +211,8 @@ class Variant(NamedTuple):
     LAUNCH_DEPENDENTS: bool = False  # the next launch may start once every program has begun
     WAITS_FOR_PREVIOUS: bool = False  # launched early (PDL): its programs end after the launch
     #                                   before it (launcher: _overlapped)
+    BATCH_OF_ONE: bool = False  # sbhd or bshd of batch 1: a token's index is its sequence index
+    ANGLE_SCALE: bool = False   # angles from positions: cos and sin times Angles.scale (not 1)
 
 
 class TileInputs(NamedTuple):
@@ -1010,7 +1013,11 @@ def _tile_base(view, seq_idx, batch_idx, head_offset):
 @triton.jit
 def _token_coords(tok, tokens, cfg: tl.constexpr):
     """(sequence, batch) index of each token; thd rows are addressed by the token alone."""
-    if cfg.IS_THD:
+    # A batch of one needs no division by the runtime batch or length: it and the index
+    # arithmetic after it are a sixth of the SASS instructions of a one-head tile (d 64,
+    # Triton 3.6, sm_90: 432 -> 360), and at one or two heads the H200 issues a tile's
+    # instructions at about the rate its memory moves the tile's bytes.
+    if cfg.IS_THD or cfg.BATCH_OF_ONE:
         return tok, tok * 0
     if cfg.SEQ_MAJOR:
         return tok // tokens.batch, tok % tokens.batch
@@ -1348,7 +1355,7 @@ def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr,
 def _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
                              compute_dtype: tl.constexpr, cfg: tl.constexpr):
     """(cos, sin) [T, K] of the angles pos * inv_freq[k] (both members of pair k share
-    them), times angles.scale; `freqs` as `_pair_frequencies` gives them, or None to load
+    them), times angles.scale with cfg.ANGLE_SCALE; `freqs` as `_pair_frequencies` gives them, or None to load
     them here.
 
     The product of the integer position and the float32 inverse frequency is kept exact as
@@ -1379,7 +1386,9 @@ def _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
         # compiler turns -hi into a second product of -pf and inv_freq.
         err = _fma(-pf, inv_freq[None, :], hi)
         sin, cos = _exact_angle_sincos(hi, err)
-    return cos * angles.scale, sin * angles.scale
+    if cfg.ANGLE_SCALE:        # else a scale of 1: two products per pair saved
+        cos, sin = cos * angles.scale, sin * angles.scale
+    return cos, sin
 
 
 @triton.jit

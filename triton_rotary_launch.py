@@ -1518,7 +1518,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                      and _norm_after_angles(source, tile, norm, searches,
                                                             few_head_pairs)),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
-                                                   norm_backward, searches))
+                                                   norm_backward, searches),
+                  BATCH_OF_ONE=not is_thd and shape.batch == 1,
+                  ANGLE_SCALE=source.from_positions and source.scale != 1)
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
                          cfg, num_warps, _max_registers(rule, cfg))
@@ -2142,7 +2144,10 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                   BLOCK_KV=block_kv, BLOCK_V=block_v, INVERSE=inverse,
                   NORM=NO_NORM.value if q_norm is None else NORM_OVER_HEAD.value,
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, q_source,
-                                                   norm_backward, False))
+                                                   norm_backward, False),
+                  BATCH_OF_ONE=shape.batch == 1,
+                  ANGLE_SCALE=q_source.from_positions and (q_source.scale != 1
+                                                           or k_source.scale != 1))
     input_strides = ()
     if norm_backward:
         input_strides = tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:])
