@@ -1355,8 +1355,8 @@ def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr,
 def _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
                              compute_dtype: tl.constexpr, cfg: tl.constexpr):
     """(cos, sin) [T, K] of the angles pos * inv_freq[k] (both members of pair k share
-    them), times angles.scale with cfg.ANGLE_SCALE; `freqs` as `_pair_frequencies` gives them, or None to load
-    them here.
+    them), times angles.scale with cfg.ANGLE_SCALE; `freqs` as `_pair_frequencies` gives
+    them, or None to load them here.
 
     The product of the integer position and the float32 inverse frequency is kept exact as
     hi - err (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
