@@ -98,6 +98,17 @@ def signature(fn, args, unspecialized=UNSPECIALIZED):
     return sig, constexprs, attrs
 
 
+# A SASS instruction line of `nvdisasm -c`: its address comment, then the instruction (an
+# optional predicate guard, the opcode with its modifiers, the operands) up to the semicolon.
+_INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(.*?);")
+_GUARD = re.compile(r"@!?U?P\w+\s+")
+
+
+def _opcode(instruction):
+    """The opcode of an instruction's text, its modifiers included (`STS.128`), unguarded."""
+    return _GUARD.sub("", instruction, count=1).split(None, 1)[0]
+
+
 def loop_shared_stores(sass):
     """STS instructions in each loop of `sass` (nvdisasm -c output): the instructions from a
     label to a later branch back to it, in the order of the branches."""
@@ -108,13 +119,13 @@ def loop_shared_stores(sass):
         if label:
             label_at[label.group(1)] = len(instructions)
             continue
-        op = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+        op = _INSTRUCTION.match(line)
         if op:
             instructions.append(op.group(1))
             back = re.search(r"\bBRA\s+`\(\.(L_x_\d+)\)", op.group(1))
             if back and back.group(1) in label_at:
                 body = instructions[label_at[back.group(1)]:]
-                counts.append(sum(bool(re.match(r"(@!?U?P\w+\s+)?STS\b", i)) for i in body))
+                counts.append(sum(_opcode(i).split(".")[0] == "STS" for i in body))
     return counts
 
 
@@ -132,7 +143,7 @@ def compile_tile(tile):
         cubin.flush()
         sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True,
                               check=True).stdout
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass, re.M)
+    ops = [_opcode(i) for i in _INSTRUCTION.findall(sass)]
     return {"sin": len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])),
             "loads": re.findall(r"\bLDG\.[\w.]+", sass),
             "loop_shared_stores": loop_shared_stores(sass),
