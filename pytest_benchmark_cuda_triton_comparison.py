@@ -104,7 +104,6 @@ from triton_rotary_main import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_inplace,
     apply_rotary_pos_emb_qk,
-    token_positions,
 )
 
 # =================================================================================================
@@ -900,7 +899,7 @@ THD_PREPASS_CASES = {
 @pytest.mark.parametrize("name", THD_PREPASS_CASES)
 def test_thd_norm_backward_reads_positions_from_a_pre_pass(name):
     """A thd norm backward that would search cu_seqlens takes its tokens' positions from
-    sequence_positions_kernel: for every token, the position token_positions (PyTorch) gives,
+    sequence_positions_kernel: for every token, the position _token_positions (PyTorch) gives,
     or OUTSIDE_SEQUENCES outside every sequence. The backward's plan reads them
     (SEQUENCE_POSITIONS) and its gradients match the unfused formula's."""
     L, K = triton_rotary_launch, triton_rotary_kernel
@@ -917,8 +916,8 @@ def test_thd_norm_backward_reads_positions_from_a_pre_pass(name):
     found = torch.full((tokens,), 7, dtype=torch.int64, device=DEVICE)
     launch((None, (0, 0, 0), kwargs.get("start_positions"), kwargs["cu_seqlens"]), found,
            shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank)
-    pos, in_seq = token_positions(shape, "thd", kwargs.get("start_positions"), kwargs["cu_seqlens"],
-                                  cp_size, cp_rank, device=DEVICE)
+    pos, in_seq = triton_rotary_main._token_positions(shape, "thd", kwargs.get("start_positions"),
+                                                      kwargs["cu_seqlens"], cp_size, cp_rank, device=DEVICE)
     assert not in_seq.all() or name != "outside_and_start"
     assert torch.equal(found, torch.where(in_seq, pos, K.OUTSIDE_SEQUENCES.value)), (found, pos, in_seq)
 
@@ -2811,6 +2810,40 @@ def test_bad_input_raises_named_error(name, breaker, error, message, fused):
     breaker(args)
     with pytest.raises(error, match=re.escape(message)):
         apply_rotary_pos_emb(fused=fused, **args)
+
+
+@pytest.mark.parametrize("entry", ["apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "apply_fused_qkv_rotary_pos_emb"])
+@pytest.mark.parametrize("fused", [None, 0, 1, "False"], ids=repr)
+def test_fused_must_be_a_bool(entry, fused):
+    """`fused` picks the kernel or the formula: a value that is not a bool is refused, not read
+    by its truth value (None and 0 would run the formula, "False" the kernel)."""
+    t, freqs = torch.randn(4, 2, 2, 16, device=DEVICE), RotaryPositionEmbedding(8, device=DEVICE)(8)
+    calls = {"apply_rotary_pos_emb": lambda: apply_rotary_pos_emb(t, freqs, fused=fused),
+             "apply_rotary_pos_emb_qk": lambda: apply_rotary_pos_emb_qk(t, t[:, :, :1], freqs, fused=fused),
+             "apply_fused_qkv_rotary_pos_emb": lambda: apply_fused_qkv_rotary_pos_emb(
+                 torch.randn(4, 2, 1, 32, device=DEVICE), freqs, freqs, [16, 8, 8], fused=fused)}
+    with pytest.raises(TypeError, match=f"^fused must be a bool, got {type(fused).__name__}$"):
+        calls[entry]()
+
+
+@pytest.mark.parametrize("entry", ["table", "module", "qk", "qkv", "in place"])
+def test_tensor_without_data_is_rejected_before_the_kernel(entry):
+    """A meta tensor has no data for a kernel, under the interpreter too (where CPU tensors are
+    taken): refused naming the argument, while fused=False, plain PyTorch, computes its shape."""
+    t = torch.empty(4, 2, 3, 16, device="meta")
+    module = RotaryPositionEmbedding(16, device="meta")
+    qkv = torch.empty(4, 2, 1, 64, device="meta")
+    calls = {"table": ("t", lambda fused: apply_rotary_pos_emb(t, module(8), fused=fused)),
+             "module": ("t", lambda fused: apply_rotary_pos_emb(t, module, fused=fused)),
+             "qk": ("q", lambda fused: apply_rotary_pos_emb_qk(t, t[:, :, :1], module, fused=fused)[0]),
+             "qkv": ("qkv", lambda fused: apply_fused_qkv_rotary_pos_emb(qkv, module, module, [16, 16, 32],
+                                                                         fused=fused)[0]),
+             "in place": ("t", lambda fused: apply_rotary_pos_emb_inplace(t, module(8)))}
+    name, call = calls[entry]
+    if entry != "in place":
+        assert call(False).shape == (t.shape if entry != "qkv" else (4, 2, 1, 16))
+    with pytest.raises(TypeError, match=f"^{name} is on meta: the Triton kernel needs a CUDA tensor"):
+        call(True)
 
 
 def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):

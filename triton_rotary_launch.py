@@ -895,9 +895,11 @@ def check_rope_args(t, freqs, tensor_format="sbhd", start_positions=None, cu_seq
     if positions is not None:
         _check_positions(positions, source, tensor_format, seq_len, batch, t.device, t_name,
                          freqs_name, start_positions is not None, cp_size)
-    if need_kernel and t.device.type != "cuda" and not _interpreting():
+    # Triton's interpreter runs the kernel on CPU tensors (and on CUDA tensors through host
+    # copies); a tensor without data (meta) or of another device reaches no kernel.
+    if need_kernel and t.device.type not in (("cuda", "cpu") if _interpreting() else ("cuda",)):
         raise TypeError(f"{t_name} is on {t.device}: the Triton kernel needs a CUDA tensor "
-                        f"(or TRITON_INTERPRET=1 for CPU tensors)")
+                        f"(or, under TRITON_INTERPRET=1, a CPU tensor)")
     if num_tokens > _INT32_MAX:
         raise ValueError(f"{t_name} has {num_tokens} tokens; at most {_INT32_MAX} are supported")
     return RopeShape(seq_len, batch, nheads, head_dim, rotary_dim, num_tokens)

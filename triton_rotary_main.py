@@ -45,7 +45,7 @@ from triton_rotary_launch import (
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "apply_rotary_pos_emb_inplace",
            "apply_fused_qkv_rotary_pos_emb", "RopeForwardAndBackward", "QKRopeForwardAndBackward",
            "RopeNormForwardAndBackward", "FusedQKVRopeForwardAndBackward",
-           "FusedQKVRopeNormForwardAndBackward", "RotaryPositionEmbedding", "token_positions"]
+           "FusedQKVRopeNormForwardAndBackward", "RotaryPositionEmbedding"]
 
 
 # rope_type -> how its parameters are read; "mrope" is Qwen2-VL's legacy name for the default
@@ -937,6 +937,12 @@ def _second_input(first, second):
     return second
 
 
+def _check_fused(fused):
+    # Any object would pick a path by its truth value: fused=None would run the slow formula.
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
+
+
 def _needs_grad(t):
     """Whether autograd records a call on t (anything but a tensor is left to the checks)."""
     return torch.is_grad_enabled() and getattr(t, "requires_grad", False)
@@ -955,14 +961,15 @@ def _compiled_or_eager(op, eager, tensors, call, op_args):
     return eager(*tensors, call)
 
 
-def token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
-                    cp_rank=0, device=None, positions=None, n_axes=1):
+def _token_positions(shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1,
+                     cp_rank=0, device=None, positions=None, n_axes=1):
     """Position of every token (for a table: its row of freqs), and whether the token belongs
     to a sequence.
 
     Returns `(pos, in_seq)`, int64 and bool, shaped to broadcast against t without its
     [h, d] dims: [s, b] for sbhd, [b, s] for bshd, [t] for thd (with M-RoPE `positions`, a
-    leading axis dim). Pure PyTorch, no host sync.
+    leading axis dim). Pure PyTorch, no host sync. `shape` is the RopeShape that
+    `check_rope_args` returned for these arguments, which it has checked.
     """
     if positions is not None:
         pos = positions.long()
@@ -1038,8 +1045,9 @@ def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seql
     its cos/sin rounded to float32 and scaled by the attention factor.
     Same conventions as the kernel off the happy path: tokens outside every thd sequence pass
     through; tokens whose position falls outside a freqs table get NaN in their rotated
-    channels. `inverse` negates the angles: t * cos - rotate_half(t) * sin. `norm` (an
-    RMSNorm) normalizes t first (`_unfused_norm`)."""
+    channels. Angles of 2^24 rad or more are the exception: computed here, NaN in the kernel.
+    `inverse` negates the angles: t * cos - rotate_half(t) * sin. `norm` (an RMSNorm)
+    normalizes t first (`_unfused_norm`)."""
     shape = check_rope_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
                             cp_rank, interleaved, positions, need_kernel=False, inverse=inverse)
     source = angle_source(freqs)
@@ -1047,9 +1055,9 @@ def _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seql
         t = t.resolve_neg()
     if norm is not None:
         t = _unfused_norm(t, norm, shape.nheads, shape.head_dim)
-    pos, in_seq = token_positions(shape, tensor_format, start_positions, cu_seqlens, cp_size,
-                                  cp_rank, device=t.device, positions=positions,
-                                  n_axes=source.n_axes)
+    pos, in_seq = _token_positions(shape, tensor_format, start_positions, cu_seqlens, cp_size,
+                                   cp_rank, device=t.device, positions=positions,
+                                   n_axes=source.n_axes)
     if source.from_positions:
         inv_freq = source.angles.double()
         if positions is not None and source.n_axes > 1:
@@ -1131,13 +1139,18 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     Off the happy path (defined here, unlike TE): thd tokens outside every sequence (before
     cu_seqlens[0] or from cu_seqlens[-1] on) are returned unchanged; a token whose position
     falls outside a table's [0, s2) (too large start_positions or positions, inconsistent
-    cu_seqlens) gets NaN in its rotated channels rather than reading out of bounds.
+    cu_seqlens) gets NaN in its rotated channels rather than reading out of bounds; so does
+    an angle of 2^24 rad or more (a table's entry, or position * inv_freq of a
+    RotaryPositionEmbedding, whose positions must also be below 2^24): the kernel's exact
+    reduction of angles holds below that (docs/accuracy.md), while fused=False takes their
+    cos and sin from PyTorch.
     cu_seqlens must be non-decreasing: its values are never read on the host (that would
     synchronise with the GPU), and with a decreasing entry a token is placed in some sequence
     in bounds, or passed through, which fused=False may place otherwise.
     As in TE, `freqs` is not differentiated: a table that requires grad gets no gradient here
     (fused=False differentiates it).
     """
+    _check_fused(fused)
     norm = _rms_norm(norm_weight, norm_eps, norm_offset, norm_over)
     if not fused:
         return _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
@@ -1179,6 +1192,7 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
     own call of `apply_rotary_pos_emb`, where those tiles differ and take the same warps
     (else two launches, as two calls would make: triton_rotary_launch._joins says why).
     """
+    _check_fused(fused)
     check_norm_pair(q_norm_weight, k_norm_weight)
     if not fused:
         # Two calls: their own checks do not compare q with k, nor name q's and k's weights.
@@ -1467,6 +1481,7 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
     (Qwen3, Gemma 3: see `apply_rotary_pos_emb`'s norm_weight; norm_eps and norm_offset are
     shared by both). Other arguments, `inverse` too, as in `apply_rotary_pos_emb`.
     """
+    _check_fused(fused)
     q_norm = _rms_norm(q_norm_weight, norm_eps, norm_offset, "head")
     k_norm = _rms_norm(k_norm_weight, norm_eps, norm_offset, "head")
     if not fused:
