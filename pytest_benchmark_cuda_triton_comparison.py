@@ -1073,6 +1073,42 @@ def test_yarn_attention_scaling_follows_the_paper():
     torch.testing.assert_close(emb.inv_freq[-2:], base[-2:] / 16.0)
 
 
+def test_from_hf_config_latent_attention_dim_and_pairs():
+    """DeepSeek-V3 (latent attention): the rotary dim is qk_rope_head_dim, also from a
+    config.json without head_dim; rope_interleave=True pairs adjacent channels, so q . k after
+    our rotation equals transformers' (apply_rotary_pos_emb_interleave de-interleaves q and k
+    first, a permutation of channels both share); a latent-attention config without
+    rope_interleave is refused unless `interleaved` is given, and a given one wins."""
+    tf = _transformers()
+    _quiet_transformers(tf)
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+    config = tf.DeepseekV3Config(hidden_size=128, num_attention_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                 v_head_dim=32, kv_lora_rank=32, q_lora_rank=None, max_position_embeddings=64)
+    assert config.rope_interleave is True
+    hf_rope = deepseek.DeepseekV3RotaryEmbedding(config)
+    emb = RotaryPositionEmbedding.from_hf_config(config, device="cpu")
+    assert emb.rotary_dim == 16 and emb.interleaved and torch.equal(emb.inv_freq, hf_rope.inv_freq)
+
+    torch.manual_seed(46)
+    b, h, s, d = 2, 3, 5, 16
+    q, k = torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    cos, sin = hf_rope(q, torch.arange(s).expand(b, s))
+    q_hf, k_hf = deepseek.apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    q_ours, k_ours = (apply_rotary_pos_emb(x.transpose(1, 2).to(DEVICE), emb.to(DEVICE), "bshd", interleaved=True)
+                      for x in (q, k))
+    torch.testing.assert_close(torch.einsum("bshd,bthd->bhst", q_ours, k_ours).cpu(),
+                               torch.einsum("bhsd,bhtd->bhst", q_hf, k_hf), rtol=1e-5, atol=1e-5)
+
+    config_json = {key: value for key, value in config.to_dict().items() if key not in ("head_dim", "rope_interleave")}
+    with pytest.raises(ValueError, match="qk_rope_head_dim.* pass interleaved=True or False"):
+        RotaryPositionEmbedding.from_hf_config(config_json)
+    for interleaved in (True, False):
+        from_json = RotaryPositionEmbedding.from_hf_config(config_json, interleaved=interleaved)
+        assert from_json.rotary_dim == 16 and from_json.interleaved is interleaved
+        assert torch.equal(from_json.inv_freq, hf_rope.inv_freq)
+    assert not RotaryPositionEmbedding.from_hf_config(config, interleaved=False).interleaved
+
+
 def test_from_hf_config_transformers4_and_5_layouts():
     tf = _transformers()
     _quiet_transformers(tf)
@@ -2700,6 +2736,26 @@ def test_inplace_rejects_training_and_overlap():
         apply_rotary_pos_emb_inplace(torch.randn(1, 1, 3, 16, device=DEVICE).expand(4, 2, 3, 16), freqs)
 
 
+@pytest.mark.parametrize("saved_by", ["torch", "ours"])
+def test_inplace_rotation_is_seen_by_autograd(saved_by):
+    """The in-place rotation writes t's memory with a kernel: a backward that saved t (a torch
+    op's, or our QK-norm's) then refuses to run on its new values, as after t.mul_(2), instead
+    of computing a gradient from them."""
+    freqs = RotaryPositionEmbedding(16, device=DEVICE)(8)
+    t = torch.randn(4, 2, 3, 16, device=DEVICE)
+    weight = torch.randn(16, device=DEVICE, requires_grad=True)
+    if saved_by == "torch":
+        loss = (weight * t).sum()                          # mul saves t for weight's gradient
+    else:
+        loss = apply_rotary_pos_emb(t, freqs, norm_weight=weight).sum()
+    version = t._version
+    with torch.no_grad():
+        assert apply_rotary_pos_emb_inplace(t, freqs) is t
+    assert t._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def _valid_args():
     return dict(t=torch.randn(4, 2, 3, 16, device=DEVICE), freqs=RotaryPositionEmbedding(16, device=DEVICE)(8))
 
@@ -3500,6 +3556,33 @@ def test_torch_compile_fullgraph_module_and_positions():
     torch.testing.assert_close(out, ref)
     grad = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, x1, grad)[0], torch.autograd.grad(ref, x2, grad)[0])
+
+
+def test_torch_compile_traces_a_modules_scale():
+    """A module's attention_scaling is a float torch.compile may trace as a symbol (under
+    dynamic=True, or once one compiled function has seen modules of two scales): no graph
+    break, eager's values and gradients, and a scale that is not finite still refused, by the
+    op when the graph runs."""
+    torch.manual_seed(45)
+    t = torch.randn(6, 2, 3, 16, device=DEVICE)
+    modules = [RotaryPositionEmbedding(16, device=DEVICE)] + [
+        RotaryPositionEmbedding(16, device=DEVICE, rope_scaling={**YARN, "factor": factor}) for factor in (4.0, 8.0)]
+    assert len({m.attention_scaling for m in modules}) == 3
+
+    def step(x, rope):
+        return apply_rotary_pos_emb(x, rope) * 2
+
+    for dynamic in (None, True):
+        compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+        for rope in modules:
+            x1, x2 = t.clone().requires_grad_(True), t.clone().requires_grad_(True)
+            out, ref = compiled(x1, rope), step(x2, rope)
+            torch.testing.assert_close(out, ref)
+            grad = torch.randn_like(out)
+            torch.testing.assert_close(torch.autograd.grad(out, x1, grad)[0], torch.autograd.grad(ref, x2, grad)[0])
+    modules[0].attention_scaling = float("nan")
+    with pytest.raises(ValueError, match="scale must be a finite number, got nan"):
+        compiled(t, modules[0])
 
 
 # =================================================================================================

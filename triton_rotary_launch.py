@@ -401,6 +401,16 @@ def is_finite_number(x):
     return is_real_number(x) and math.isfinite(x)
 
 
+def _finite_or_traced(x):
+    """A finite number, or a float that torch.compile traces: it may be a symbol (a module's
+    attention_scaling that differs between calls, or any float under dynamic=True) whose
+    value exists only when the compiled graph runs, where the custom op's own check
+    (`_check_source`) sees it as a float."""
+    if torch.compiler.is_compiling():
+        return isinstance(x, torch.SymFloat) or is_real_number(x)
+    return is_finite_number(x)
+
+
 def _check_source(source, name):
     """An AngleSource built elsewhere (the custom ops' arguments) holds what the kernel reads."""
     angles, pair_axis = source.angles, source.pair_axis
@@ -411,7 +421,7 @@ def _check_source(source, name):
                         f"{type(source.from_positions).__name__}")
     if isinstance(source.n_axes, bool) or not isinstance(source.n_axes, int) or source.n_axes < 1:
         raise ValueError(f"{name}: n_axes must be an int >= 1, got {source.n_axes!r}")
-    if not is_finite_number(source.scale):
+    if not _finite_or_traced(source.scale):
         raise ValueError(f"{name}: scale must be a finite number, got {source.scale!r}")
     if source.interleaved is not None and not isinstance(source.interleaved, bool):
         raise TypeError(f"{name}: interleaved must be a bool or None, got "
@@ -479,14 +489,15 @@ def angle_source(freqs, name="freqs"):
                         f"{getattr(pair_axis, 'dtype', pair_axis)} "
                         f"{tuple(getattr(pair_axis, 'shape', ()))}")
     scale = getattr(freqs, "attention_scaling", 1.0)
-    if not is_finite_number(scale):
+    if not _finite_or_traced(scale):
         raise ValueError(f"{name}.attention_scaling must be a finite number, got {scale!r}")
     interleaved = getattr(freqs, "interleaved", False)
     if not isinstance(interleaved, bool):
         raise TypeError(f"{name}.interleaved must be a bool, got {type(interleaved).__name__}")
     source = AngleSource(inv_freq.resolve_neg().contiguous(), True,
                          None if pair_axis is None else pair_axis.resolve_neg().contiguous(),
-                         n_axes, float(scale), interleaved)
+                         n_axes, 1.0 * scale if torch.compiler.is_compiling() else float(scale),
+                         interleaved)
     # Kept where it holds the module's own tensors (no copy), so that their values, changed in
     # place, reach the kernel as they would through a source made afresh.
     if fields is not None and source.angles is fields[0] and source.pair_axis is fields[1]:

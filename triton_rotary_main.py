@@ -255,6 +255,21 @@ def _config_get(config, key, default=None):
     return getattr(config, key, default)
 
 
+def _config_pair_layout(config):
+    """`interleaved` as a transformers config states it (`from_hf_config` says which)."""
+    flag = _config_get(config, "rope_interleave")
+    if flag is not None:
+        if not isinstance(flag, bool):
+            raise TypeError(f"config's rope_interleave must be a bool, got {type(flag).__name__}")
+        return flag
+    if _config_get(config, "qk_rope_head_dim") is not None:
+        raise ValueError("config is of a latent-attention model (it has qk_rope_head_dim) but no "
+                         "rope_interleave, and such models pair channels differently (DeepSeek-V2 "
+                         "adjacent ones; DeepSeek-V3 adjacent ones unless rope_interleave=False): "
+                         "pass interleaved=True or False")
+    return False
+
+
 class RotaryPositionEmbedding(torch.nn.Module):
     """Rotary frequencies as TE's module builds them: `forward(max_seq_len, offset=0)` returns
     float32 `[max_seq_len, 1, 1, d2]` with d2 = int(dim * rotary_percent), laid out for the
@@ -366,10 +381,20 @@ class RotaryPositionEmbedding(torch.nn.Module):
                              persistent=False)
 
     @classmethod
-    def from_hf_config(cls, config, device: Optional[torch.device] = None, interleaved: bool = False):
+    def from_hf_config(cls, config, device: Optional[torch.device] = None,
+                       interleaved: Optional[bool] = None):
         """The rotary embedding of a transformers model config (a PretrainedConfig or its dict):
         transformers 5's `rope_parameters` or transformers 4's `rope_theta` + `rope_scaling`,
-        taken from `text_config` when the config is a multimodal wrapper."""
+        taken from `text_config` when the config is a multimodal wrapper. The rotary dim of a
+        multi-head latent attention model is its `qk_rope_head_dim`.
+
+        `interleaved`: which channels pair up, which transformers decides in each model's code,
+        not always in its config. None takes the config's `rope_interleave` (DeepSeek-V3,
+        Mistral 4, GLM-4-MoE-Lite: adjacent pairs when True), else the two halves (Llama,
+        Qwen, Mistral, Gemma); a latent-attention config without `rope_interleave` (DeepSeek-V3's
+        own config.json, DeepSeek-V2) is refused, since those models differ. Pass True for a
+        model that pairs adjacent channels without saying so in its config (Llama 4,
+        DeepSeek-V2); a value given here wins over the config's."""
         text_config = _config_get(config, "text_config")
         if text_config is not None and _config_get(config, "num_attention_heads") is None \
                 and _config_get(config, "head_dim") is None:
@@ -397,7 +422,11 @@ class RotaryPositionEmbedding(torch.nn.Module):
         partial = 1.0 if partial is None else partial
         rope["partial_rotary_factor"] = partial
 
-        head_dim = _config_get(config, "head_dim")
+        # Latent-attention configs rotate qk_rope_head_dim channels (transformers sets their
+        # head_dim to it, but their config.json may have no head_dim).
+        head_dim = _config_get(config, "qk_rope_head_dim")
+        if head_dim is None:
+            head_dim = _config_get(config, "head_dim")
         if head_dim is None:
             hidden, heads = _config_get(config, "hidden_size"), _config_get(config, "num_attention_heads")
             if hidden is None or heads is None:
@@ -412,6 +441,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
         if top_original is not None and rope_type in ("yarn", "llama3"):
             rope["original_max_position_embeddings"] = top_original
 
+        if interleaved is None:
+            interleaved = _config_pair_layout(config)
         return cls(head_dim, rotary_percent=partial, rotary_base=theta, interleaved=interleaved, device=device,
                    rope_scaling=rope, max_position_embeddings=max_positions,
                    mrope_section=rope.get("mrope_section"),
@@ -729,6 +760,9 @@ def _rope_inplace_eager(t, call):
     set_rotary_kernel(t, call.source, call.tensor_format, call.start_positions, call.interleaved,
                       call.cu_seqlens, call.cp_size, call.cp_rank, call.transpose, out=t,
                       positions=call.positions, inverse=call.inverse, norm=call.norm)
+    # The kernel wrote t's memory unseen by autograd: as after PyTorch's own in-place ops, a
+    # backward that saved t must refuse its new values instead of reading them.
+    torch.autograd.graph.increment_version(t)
 
 
 def _rope_norm_saving_rstd_eager(t, call):
