@@ -2718,6 +2718,10 @@ def test_from_hf_config_bad_configs_raise():
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
     with pytest.raises(ValueError, match="rope_parameters"):
         RotaryPositionEmbedding.from_hf_config(per_layer)
+    gemma3_json = {"hidden_size": 512, "num_attention_heads": 8, "head_dim": 64, "rope_theta": 1e6,
+                   "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    with pytest.raises(ValueError, match="rope_local_base_freq: its sliding-window layers"):
+        RotaryPositionEmbedding.from_hf_config(gemma3_json)
     with pytest.raises(ValueError, match="rope_scaling.*dynamic"):
         RotaryPositionEmbedding.from_hf_config({"hidden_size": 512, "num_attention_heads": 8,
                                                 "rope_scaling": {"type": "dynamic", "factor": 2.0}})

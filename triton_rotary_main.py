@@ -405,6 +405,12 @@ class RotaryPositionEmbedding(torch.nn.Module):
         if rope and all(isinstance(v, Mapping) or v is None for v in rope.values()):
             raise ValueError(f"config has per-layer-type rope_parameters ({', '.join(rope)}); "
                              "build one RotaryPositionEmbedding per layer type instead")
+        if _config_get(config, "rope_local_base_freq") is not None:
+            # transformers 4's form of the same (Gemma 3's config.json)
+            raise ValueError("config has rope_local_base_freq: its sliding-window layers rotate with "
+                             "another base than its full-attention ones; build one "
+                             "RotaryPositionEmbedding per layer type instead (the sliding layers': "
+                             "rotary_base=rope_local_base_freq, no rope_scaling)")
         rope = dict(rope)
         rope_type = _rope_type_of(rope)
         rope["rope_type"] = rope_type
