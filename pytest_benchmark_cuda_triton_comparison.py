@@ -505,21 +505,26 @@ def test_result_does_not_depend_on_batch():
     assert not plan.launch.cfg.BATCH_OF_ONE
 
 
-def test_angles_are_scaled_only_where_the_scale_is_not_one():
-    """`ANGLE_SCALE` (cos and sin times the module's attention_scaling) is compiled in for a
-    scaled module (YaRN's 1.139) and left out for an unscaled one and for TE's table (whose
-    angles carry no scale); the scaled results are the float64 reference's with the scale."""
+def test_scaled_angles_match_float64():
+    """Angles from positions are multiplied by the module's attention_scaling (YaRN's 1.139)
+    and by nothing else: q alone, q and k in pair tiles, forward and backward (the backward
+    rotates by the negated angles, with the same scale), against the float64 reference."""
     torch.manual_seed(23)
-    t = torch.randn(8, 2, 3, 32, device=DEVICE)
+    q = torch.randn(8, 2, 3, 32, device=DEVICE)
+    k = torch.randn(8, 2, 1, 32, device=DEVICE)
     yarn = RotaryPositionEmbedding(32, device=DEVICE, rope_scaling=YARN)
     plain = RotaryPositionEmbedding(32, device=DEVICE)
-    for freqs, scaled in ((yarn, True), (plain, False), (plain(8), False)):
-        out, plan = set_rotary_kernel(t, freqs, return_plan=True)
-        assert plan.launch.cfg.ANGLE_SCALE is scaled, freqs
-    assert yarn.attention_scaling > 1.1
+    assert yarn.attention_scaling > 1.1 and plain.attention_scaling == 1.0
     pos = torch.arange(8, dtype=torch.float64)[:, None, None].expand(8, 2, 16)
-    ref = rotate64(t, pos, yarn.inv_freq, False, scale=yarn.attention_scaling)
-    torch.testing.assert_close(set_rotary_kernel(t, yarn).double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    for module in (yarn, plain):
+        scale = module.attention_scaling
+        for backward in (False, True):
+            ref_q, ref_k = (rotate64(x, pos, module.inv_freq, False, scale=scale,
+                                     transpose=backward) for x in (q, k))
+            alone = set_rotary_kernel(q, module, backward=backward)
+            pair = triton_rotary_launch.set_rotary_qk_kernel(q, k, module, backward=backward)
+            for got, ref in ((alone, ref_q), (pair[0], ref_q), (pair[1], ref_k)):
+                torch.testing.assert_close(got.double().cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_negative_bit_inputs():
@@ -1105,7 +1110,7 @@ def test_from_hf_config_latent_attention_dim_and_pairs():
     for interleaved in (True, False):
         from_json = RotaryPositionEmbedding.from_hf_config(config_json, interleaved=interleaved)
         assert from_json.rotary_dim == 16 and from_json.interleaved is interleaved
-        assert torch.equal(from_json.inv_freq, hf_rope.inv_freq)
+        assert torch.equal(from_json.inv_freq.cpu(), hf_rope.inv_freq)
     assert not RotaryPositionEmbedding.from_hf_config(config, interleaved=False).interleaved
 
 
@@ -3839,19 +3844,16 @@ def test_sin_cos_are_computed_once_per_program():
     assert heads_tile["sin"] == 1, heads_tile
 
 
-def test_batch_of_one_and_unit_scale_save_instructions():
+def test_batch_of_one_saves_instructions():
     """A tile of a batch of one (`BATCH_OF_ONE`) finds a token's sequence without dividing by
     the runtime batch: no reciprocal (MUFU.RCP, which an integer division by a runtime value
-    takes) and fewer instructions than the same tile of any batch; a tile whose angles are
-    not scaled (`ANGLE_SCALE` off) has fewer instructions than one that multiplies cos and sin
-    by Angles.scale. The one-head tile of MLA's key (32 tokens, 32 interleaved pairs), angles
-    from positions; the launcher's choice of both flags is tested with the plans."""
+    takes) and fewer instructions than the same tile of any batch. The one-head tile of MLA's
+    key (32 tokens, 32 interleaved pairs), angles from positions; the launcher's choice of
+    the flag is tested with the plans."""
     tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True)
-    any_batch, one, one_scaled = _compile_tiles(tile, dict(tile, BATCH_OF_ONE=True),
-                                                dict(tile, BATCH_OF_ONE=True, ANGLE_SCALE=True))
-    assert any_batch["rcp"] >= 1 and one["rcp"] == 0 and one_scaled["rcp"] == 0, (any_batch, one)
+    any_batch, one = _compile_tiles(tile, dict(tile, BATCH_OF_ONE=True))
+    assert any_batch["rcp"] >= 1 and one["rcp"] == 0, (any_batch, one)
     assert one["instructions"] < any_batch["instructions"], (one, any_batch)
-    assert one["instructions"] < one_scaled["instructions"], (one, one_scaled)
 
 
 def test_pipelined_tiles_compute_sin_cos_once_per_program():

@@ -212,7 +212,6 @@ class Variant(NamedTuple):
     WAITS_FOR_PREVIOUS: bool = False  # launched early (PDL): its programs end after the launch
     #                                   before it (launcher: _overlapped)
     BATCH_OF_ONE: bool = False  # sbhd or bshd of batch 1: a token's index is its sequence index
-    ANGLE_SCALE: bool = False   # angles from positions: cos and sin times Angles.scale (not 1)
 
 
 class TileInputs(NamedTuple):
@@ -1355,8 +1354,8 @@ def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr,
 def _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
                              compute_dtype: tl.constexpr, cfg: tl.constexpr):
     """(cos, sin) [T, K] of the angles pos * inv_freq[k] (both members of pair k share
-    them), times angles.scale with cfg.ANGLE_SCALE; `freqs` as `_pair_frequencies` gives
-    them, or None to load them here.
+    them), times angles.scale; `freqs` as `_pair_frequencies` gives them, or None to load
+    them here.
 
     The product of the integer position and the float32 inverse frequency is kept exact as
     hi - err (an fma two-product; exact while |pos| < 2^24, where pos converts to float32
@@ -1386,9 +1385,9 @@ def _rotation_from_positions(angles, positions, pos, rotary_dim, freqs,
         # compiler turns -hi into a second product of -pf and inv_freq.
         err = _fma(-pf, inv_freq[None, :], hi)
         sin, cos = _exact_angle_sincos(hi, err)
-    if cfg.ANGLE_SCALE:        # else a scale of 1: two products per pair saved
-        cos, sin = cos * angles.scale, sin * angles.scale
-    return cos, sin
+    # Multiplied also by a scale of 1: a variant that left the two products out had fewer
+    # instructions but ran its one-head d 128 tiles slower (bf16 backward, H200, Triton 3.6).
+    return cos * angles.scale, sin * angles.scale
 
 
 @triton.jit

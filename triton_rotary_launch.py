@@ -1400,12 +1400,6 @@ def _as_source(freqs, name):
     return freqs
 
 
-def _angle_scale(*sources):
-    """Variant.ANGLE_SCALE for a launch whose angles come from `sources` (q's and k's of one
-    kind): angles from positions of which one's scale is not 1 (a table carries no scale)."""
-    return any(s.from_positions and s.scale != 1 for s in sources)
-
-
 def _positions_mode(source, positions):
     if positions is None:
         return IMPLICIT_POSITIONS.value
@@ -1538,8 +1532,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                                             few_head_pairs)),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
                                                    norm_backward, searches),
-                  BATCH_OF_ONE=not is_thd and shape.batch == 1,
-                  ANGLE_SCALE=_angle_scale(source))
+                  BATCH_OF_ONE=not is_thd and shape.batch == 1)
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
                          cfg, num_warps, _max_registers(rule, cfg))
@@ -2164,8 +2157,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                   NORM=NO_NORM.value if q_norm is None else NORM_OVER_HEAD.value,
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, q_source,
                                                    norm_backward, False),
-                  BATCH_OF_ONE=shape.batch == 1,
-                  ANGLE_SCALE=_angle_scale(q_source, k_source))
+                  BATCH_OF_ONE=shape.batch == 1)
     input_strides = ()
     if norm_backward:
         input_strides = tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:])

@@ -719,7 +719,18 @@ def _with_rstd(call, rstd):
     return call._replace(norm=call.norm._replace(rstd=rstd))
 
 
+def _traced_scale(source):
+    """`source` as the fake (shape) impls check it: with a scale of 1. The scale's value is
+    the op's to check when the graph runs, where a bad one raises its plain ValueError. While
+    Dynamo traces, the scale may be a symbol, or a constant it specialized (a NaN), and an
+    error raised then reaches the user wrapped in Dynamo's TorchRuntimeError (torch 2.11;
+    2.13 passes it through)."""
+    return source._replace(scale=1.0)
+
+
 def _check_rope_call(t, call):
+    """The fake impls' checks of `call` on t."""
+    call = call._replace(source=_traced_scale(call.source))
     shape = check_rope_args(t, call.source, call.tensor_format, call.start_positions,
                             call.cu_seqlens, call.cp_size, call.cp_rank, call.interleaved,
                             call.positions, need_kernel=False, inverse=call.inverse)
@@ -1424,8 +1435,8 @@ def _qkv_op(qkv, *args):
 @_qkv_op.register_fake
 def _(qkv, *args):
     call = _qkv_call(*args)
-    _, split = check_qkv_args(qkv, call.q_source, call.k_source, call.split,
-                              call.tensor_format, call.start_positions, call.cp_size,
+    _, split = check_qkv_args(qkv, _traced_scale(call.q_source), _traced_scale(call.k_source),
+                              call.split, call.tensor_format, call.start_positions, call.cp_size,
                               call.cp_rank, call.interleaved, call.positions, need_kernel=False,
                               inverse=call.inverse)
     check_qkv_norms(qkv, split, call.q_norm, call.k_norm)
