@@ -1219,6 +1219,58 @@ def test_mrope_pair_axis_matches_transformers(interleaved):
         assert axis[12:].tolist() == [0, 0, 0, 0]
 
 
+def _hf_pair_axis(hf_rope):
+    """Which position axis each pair of a transformers M-RoPE module rotates by, read from its
+    cos, worked out as it works it out (float32), at positions whose axes lie 2e5 apart: far
+    enough for the slowest pair of a 128-dim head to tell them apart (0.5 rad at theta 5e5)."""
+    i = torch.arange(16)
+    positions = torch.stack([997 * i, 997 * i + 200_000, 997 * i + 400_000])  # [3, seq]
+    cos, _ = hf_rope(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    n_pairs = hf_rope.inv_freq.numel()
+    cos = cos[0, :, :n_pairs]                                              # [seq, pairs]
+    per_axis = (positions.float()[:, :, None] * hf_rope.inv_freq.float()).cos()  # [3, seq, pairs]
+    matches = ((per_axis - cos).abs().amax(dim=1) < 1e-6)                  # [3, pairs]
+    assert (matches.sum(dim=0) == 1).all(), matches.sum(dim=0)
+    return matches.int().argmax(dim=0)
+
+
+@pytest.mark.parametrize("model", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_from_hf_config_mrope_layout_of_the_model(model):
+    """Qwen3-VL's and Qwen3.5's rotary embeddings in transformers interleave the M-RoPE axes
+    whatever the config says, with a default mrope_section where it has none: from_hf_config
+    builds the same layout from a config without the rope keys, with the section but not the
+    flag, and with the flag False, each against transformers' module (pair by pair)."""
+    tf = _transformers()
+    _quiet_transformers(tf)
+    classes = {"qwen3_vl": ("Qwen3VLTextConfig", "qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextRotaryEmbedding"),
+               "qwen3_vl_moe": ("Qwen3VLMoeTextConfig", "qwen3_vl_moe.modeling_qwen3_vl_moe",
+                                "Qwen3VLMoeTextRotaryEmbedding"),
+               "qwen3_5": ("Qwen3_5TextConfig", "qwen3_5.modeling_qwen3_5", "Qwen3_5TextRotaryEmbedding")}
+    config_name, module_name, rope_name = classes[model]
+    if not hasattr(tf, config_name):
+        pytest.skip(f"transformers {tf.__version__} has no {config_name}")
+    import importlib
+    hf_class = getattr(importlib.import_module(f"transformers.models.{module_name}"), rope_name)
+    default = getattr(tf, config_name)()
+    theta = default.rope_parameters["rope_theta"]
+    partial = default.rope_parameters.get("partial_rotary_factor", 1.0)
+    n_pairs = int(default.head_dim * partial) // 2
+    section = [n_pairs - 2 * (n_pairs // 3), n_pairs // 3, n_pairs // 3]  # not the default one
+    variants = {"no rope keys": {}, "section only": {"mrope_section": section},
+                "flag False": {"mrope_section": section, "mrope_interleaved": False}}
+    for name, keys in variants.items():
+        config = getattr(tf, config_name)(rope_parameters={"rope_type": "default", "rope_theta": theta,
+                                                           **({"partial_rotary_factor": partial}
+                                                              if partial != 1.0 else {}), **keys})
+        hf_rope = hf_class(config)
+        emb = RotaryPositionEmbedding.from_hf_config(config, device="cpu")
+        assert torch.equal(emb.inv_freq, hf_rope.inv_freq), name
+        assert emb.n_axes == 3 and emb.mrope_interleaved, name
+        assert emb.mrope_section == tuple(hf_rope.mrope_section), name
+        assert torch.equal(emb.pair_axis.long(), _hf_pair_axis(hf_rope)), name
+        assert set(emb.pair_axis.tolist()) == {0, 1, 2}, name
+
+
 def test_mrope_pair_axis_rules():
     """The layouts spelled out (the Qwen2-VL / Qwen3-VL papers' descriptions)."""
     contiguous = RotaryPositionEmbedding(20, device="cpu", mrope_section=[2, 3, 5])
@@ -2891,6 +2943,58 @@ def test_fused_must_be_a_bool(entry, fused):
         calls[entry]()
 
 
+@pytest.mark.parametrize("transform", ["vmap", "vmap of positions", "jvp", "grad"])
+@pytest.mark.parametrize("entry", ["module", "table", "qk", "qkv", "in place"])
+def test_torch_func_transforms_are_named(entry, transform):
+    """A tensor of a torch.func transform (vmap's batched tensor, jvp's and grad's wrappers)
+    has no storage for a kernel: refused naming the argument, while fused=False, plain
+    PyTorch, is what the transforms see through: vmap of it is the loop of its calls."""
+    torch.manual_seed(48)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    xs = torch.randn(3, 4, 2, 2, 16, device=DEVICE)            # vmap's dim, then sbhd
+    positions = torch.randint(0, 40, (3, 2, 4), device=DEVICE)  # [b, s] per vmapped call
+    qkv = torch.randn(3, 4, 2, 1, 64, device=DEVICE)
+
+    def call(x, fused, pos=None):
+        freqs = module(8) if entry == "table" else module
+        kw = dict(fused=fused) if entry != "in place" else {}
+        if entry == "qk":
+            return apply_rotary_pos_emb_qk(x, x[:, :, :1] * 2, freqs, positions=pos, **kw)[0]
+        if entry == "qkv":
+            return apply_fused_qkv_rotary_pos_emb(x, freqs, freqs, [16, 16, 32], positions=pos, **kw)[0]
+        if entry == "in place":
+            return apply_rotary_pos_emb_inplace(x.clone(), freqs, positions=pos)
+        return apply_rotary_pos_emb(x, freqs, positions=pos, **kw)
+
+    inputs = qkv if entry == "qkv" else xs
+    name = {"qk": "q", "qkv": "qkv"}.get(entry, "t")
+    if (transform, entry) in (("vmap of positions", "table"), ("grad", "in place")):
+        pytest.skip("positions take angles from a module; no autograd in place")
+    weights = inputs[1].sum(-1, keepdim=True)           # grad's loss: a weighted sum
+    cases = {   # the transformed call, and what fused=False's must equal (None: grad's, below)
+        "vmap of positions": (lambda fused: torch.func.vmap(lambda p: call(inputs[0], fused, p))(positions),
+                              lambda: torch.stack([call(inputs[0], False, p) for p in positions])),
+        "vmap": (lambda fused: torch.func.vmap(lambda x: call(x, fused))(inputs),
+                 lambda: torch.stack([call(x, False) for x in inputs])),
+        # linear in x: its jvp is the call on the tangent
+        "jvp": (lambda fused: torch.func.jvp(lambda x: call(x, fused), (inputs[0],), (inputs[1],))[1],
+                lambda: call(inputs[1], False)),
+        "grad": (lambda fused: torch.func.grad(lambda x: (call(x, fused) * weights).sum())(inputs[0]), None)}
+    run, loop = cases[transform]
+    if transform == "vmap of positions":
+        name = "positions"
+    with pytest.raises(TypeError, match=f"^{name} is a tensor of a torch.func transform .* pass fused=False"):
+        run(True)
+    if entry == "in place":
+        return          # no fused=False to take
+    if loop is not None:
+        torch.testing.assert_close(run(False), loop())
+    else:
+        x = inputs[0].clone().requires_grad_(True)
+        (call(x, False) * weights).sum().backward()
+        torch.testing.assert_close(run(False), x.grad)
+
+
 @pytest.mark.parametrize("entry", ["table", "module", "qk", "qkv", "in place"])
 def test_tensor_without_data_is_rejected_before_the_kernel(entry):
     """A meta tensor has no data for a kernel, under the interpreter too (where CPU tensors are
@@ -4123,6 +4227,30 @@ def test_eager_backward_launches_the_plan_kept_with_the_forwards(monkeypatch):
                       lookups_and_gradient(call, freqs, grad),      # the rule in force again
                       lookups_and_gradient(call, freqs, grad)]
             assert counts == [1, 0, 1, 0, 1, 1, 0], (name, counts)
+
+
+def test_module_keeps_float32_frequencies():
+    """A module cast to another dtype, alone or inside a model, keeps its float32 inv_freq
+    bit for bit (so its rotation, its table and its state dict are those of the module as
+    built), while a move to another device applies; a YaRN module keeps its scale too."""
+    torch.manual_seed(47)
+    t = torch.randn(8, 2, 3, 16, device=DEVICE)
+    casts = {"to(bf16)": lambda m: m.to(torch.bfloat16), "half": lambda m: m.half(),
+             "double": lambda m: m.double(), "bfloat16": lambda m: m.bfloat16(),
+             "in a model": lambda m: torch.nn.Sequential(torch.nn.Linear(2, 2), m).to(torch.float16)[1]}
+    for scaling in (None, YARN):
+        built = RotaryPositionEmbedding(16, device=DEVICE, rope_scaling=scaling)
+        for name, cast in casts.items():
+            module = cast(RotaryPositionEmbedding(16, device=DEVICE, rope_scaling=scaling))
+            assert module.inv_freq.dtype == torch.float32, name
+            assert torch.equal(module.inv_freq, built.inv_freq), name
+            assert module.state_dict()["inv_freq"].dtype == torch.float32, name
+            assert module.attention_scaling == built.attention_scaling, name
+            assert torch.equal(module(8), built(8)), name
+            assert torch.equal(apply_rotary_pos_emb(t, module), apply_rotary_pos_emb(t, built)), name
+    moved = RotaryPositionEmbedding(16, device=DEVICE).to("meta", torch.bfloat16)
+    assert moved.inv_freq.is_meta and moved.inv_freq.dtype == torch.float32
+    assert moved.pair_axis.is_meta
 
 
 def test_module_angles_are_kept_while_the_module_is_the_same():

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Optional
 
 import torch
+from torch._C import _functorch as _FUNCTORCH  # private: _check_untransformed says what of it
 
 from triton_rotary_launch import (
     AngleSource,
@@ -270,6 +271,16 @@ def _config_pair_layout(config):
     return False
 
 
+# Text models whose rotary embedding in transformers (5.24) interleaves the M-RoPE axes, every
+# third pair from the second taking the height and from the third the width, whatever their
+# config's mrope_interleaved says, with the mrope_section it takes where the config has none.
+_INTERLEAVED_MROPE_MODELS = {
+    **dict.fromkeys(("qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text",
+                     "cohere_compass_text", "cosmos3_edge_text", "hy_v4_vl_text"), (24, 20, 20)),
+    **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text"), (11, 11, 10)),
+}
+
+
 class RotaryPositionEmbedding(torch.nn.Module):
     """Rotary frequencies as TE's module builds them: `forward(max_seq_len, offset=0)` returns
     float32 `[max_seq_len, 1, 1, d2]` with d2 = int(dim * rotary_percent), laid out for the
@@ -286,6 +297,11 @@ class RotaryPositionEmbedding(torch.nn.Module):
     * `mrope_section` / `mrope_interleaved`: pair k rotates by position axis `pair_axis[k]`
       (Qwen2-VL contiguous blocks, or Qwen3-VL interleaving); `n_axes` axes in all. `forward`'s
       table uses one position per token, i.e. the text case where every axis is equal.
+
+    `inv_freq` stays float32 when the module, or a model holding it, is cast to another dtype
+    (`.to(torch.bfloat16)`, `.half()`, `.double()`): the angles need float32 frequencies (in
+    bf16 an inverse frequency is off by up to 2^-8 of itself: angles off by up to 0.6 rad at
+    position 512 and 5 rad at 4096, d 128). Moves to another device apply as usual.
     """
 
     def __init__(self, dim: int, rotary_percent: float = 1.0,
@@ -380,6 +396,17 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.register_buffer("pair_axis", _mrope_pair_axis(mrope_section, mrope_interleaved, n_pairs).to(device),
                              persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # Module.to, .half(), .cuda() and the others convert buffers through Module._apply (a
+        # private method, overridden as torch 2.11 and 2.13 define it; the dtype's test is
+        # test_module_keeps_float32_frequencies). A dtype change is undone from the float32
+        # values, not by casting back, which would keep the rounding.
+        float32 = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != float32.dtype:
+            self.inv_freq = float32.to(self.inv_freq.device)
+        return self
+
     @classmethod
     def from_hf_config(cls, config, device: Optional[torch.device] = None,
                        interleaved: Optional[bool] = None):
@@ -394,7 +421,13 @@ class RotaryPositionEmbedding(torch.nn.Module):
         Qwen, Mistral, Gemma); a latent-attention config without `rope_interleave` (DeepSeek-V3's
         own config.json, DeepSeek-V2) is refused, since those models differ. Pass True for a
         model that pairs adjacent channels without saying so in its config (Llama 4,
-        DeepSeek-V2); a value given here wins over the config's."""
+        DeepSeek-V2); a value given here wins over the config's.
+
+        M-RoPE (`mrope_section`, `n_axes` 3) follows the config's `mrope_section` and
+        `mrope_interleaved`, except for the text models whose transformers code always
+        interleaves the axes (Qwen3-VL, Qwen3-Omni, Qwen3.5 and their MoE variants: the keys of
+        `_INTERLEAVED_MROPE_MODELS`, by `model_type`), which take that layout, and, where the
+        config has no section, the one transformers defaults to."""
         text_config = _config_get(config, "text_config")
         if text_config is not None and _config_get(config, "num_attention_heads") is None \
                 and _config_get(config, "head_dim") is None:
@@ -449,10 +482,15 @@ class RotaryPositionEmbedding(torch.nn.Module):
 
         if interleaved is None:
             interleaved = _config_pair_layout(config)
+        mrope_section, mrope_interleaved = rope.get("mrope_section"), rope.get("mrope_interleaved", False)
+        default_section = _INTERLEAVED_MROPE_MODELS.get(_config_get(config, "model_type"))
+        if default_section is not None:
+            mrope_interleaved = True
+            if mrope_section is None:
+                mrope_section = default_section
         return cls(head_dim, rotary_percent=partial, rotary_base=theta, interleaved=interleaved, device=device,
                    rope_scaling=rope, max_position_embeddings=max_positions,
-                   mrope_section=rope.get("mrope_section"),
-                   mrope_interleaved=bool(rope.get("mrope_interleaved", False)))
+                   mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         for name, value in (("max_seq_len", max_seq_len), ("offset", offset)):
@@ -994,6 +1032,23 @@ def _check_fused(fused):
         raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
 
 
+def _check_untransformed(**tensors):
+    """A TypeError naming the first of `tensors` that a torch.func transform wraps (vmap's
+    batched tensor, grad's or jvp's wrapper): the kernels read storage, which those wrappers
+    have not, and would fail inside Triton. fused=False computes the formula with torch ops,
+    which the transforms see through."""
+    # torch._C._functorch is private; peek_interpreter_stack (None outside every transform)
+    # and is_functorch_wrapped_tensor, as torch 2.11 and 2.13 define them. Not traced by
+    # torch.compile.
+    if torch.compiler.is_compiling() or _FUNCTORCH.peek_interpreter_stack() is None:
+        return
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and _FUNCTORCH.is_functorch_wrapped_tensor(x):
+            raise TypeError(f"{name} is a tensor of a torch.func transform (vmap, grad, jvp, ...), "
+                            f"which the fused kernels cannot read: pass fused=False, whose "
+                            f"formula the transforms see through")
+
+
 def _needs_grad(t):
     """Whether autograd records a call on t (anything but a tensor is left to the checks)."""
     return torch.is_grad_enabled() and getattr(t, "requires_grad", False)
@@ -1206,6 +1261,8 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs, tensor_format: str = "sbhd",
     if not fused:
         return _unfused_rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
                              cp_size, cp_rank, positions, inverse, norm)
+    _check_untransformed(t=t, freqs=freqs, start_positions=start_positions, cu_seqlens=cu_seqlens,
+                         positions=positions, norm_weight=norm_weight)
     if norm is None and not _needs_grad(t) and not torch.compiler.is_compiling():
         # No graph to record: the arguments straight to the launcher, without a RopeCall or
         # the autograd function (autograd.Function.apply costs about as much CPU time as the
@@ -1257,6 +1314,9 @@ def apply_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs, tensor_form
                   norm_offset=norm_offset, norm_over=norm_over)
         return (apply_rotary_pos_emb(q, freqs, norm_weight=q_norm_weight, **kw),
                 apply_rotary_pos_emb(k, freqs, norm_weight=k_norm_weight, **kw))
+    _check_untransformed(q=q, k=k, freqs=freqs, start_positions=start_positions,
+                         cu_seqlens=cu_seqlens, positions=positions,
+                         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved,
                     cu_seqlens, cp_size, cp_rank, positions, inverse, False,
                     _rms_norm(q_norm_weight, norm_eps, norm_offset, norm_over))
@@ -1290,6 +1350,8 @@ def apply_rotary_pos_emb_inplace(t: torch.Tensor, freqs, tensor_format: str = "s
         if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
             raise ValueError(f"apply_rotary_pos_emb_inplace is for inference: {name} requires "
                              f"grad; use apply_rotary_pos_emb, or call it under torch.no_grad()")
+    _check_untransformed(t=t, freqs=freqs, start_positions=start_positions, cu_seqlens=cu_seqlens,
+                         positions=positions, norm_weight=norm_weight)
     call = RopeCall(angle_source(freqs), tensor_format, start_positions, interleaved, cu_seqlens,
                     cp_size, cp_rank, positions, inverse, False,
                     _rms_norm(norm_weight, norm_eps, norm_offset, norm_over))
@@ -1539,6 +1601,9 @@ def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs, k_freqs, qkv_spli
         return _unfused_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format,
                             start_positions, interleaved, cp_size, cp_rank, positions, inverse,
                             q_norm, k_norm)
+    _check_untransformed(qkv=qkv, q_freqs=q_freqs, k_freqs=k_freqs,
+                         start_positions=start_positions, positions=positions,
+                         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
     q_source, k_source = angle_source(q_freqs, "q_freqs"), angle_source(k_freqs, "k_freqs")
     if torch.compiler.is_compiling():         # the op's arguments drop the modules' layouts
         for name, source in (("q_freqs", q_source), ("k_freqs", k_source)):
