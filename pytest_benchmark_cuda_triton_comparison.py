@@ -2968,8 +2968,10 @@ def test_torch_func_transforms_are_named(entry, transform):
 
     inputs = qkv if entry == "qkv" else xs
     name = {"qk": "q", "qkv": "qkv"}.get(entry, "t")
-    if (transform, entry) in (("vmap of positions", "table"), ("grad", "in place")):
-        pytest.skip("positions take angles from a module; no autograd in place")
+    skips = {("vmap of positions", "table"): "positions take angles from a module",
+             ("grad", "in place"): "no autograd in place"}
+    if (transform, entry) in skips:
+        pytest.skip(skips[transform, entry])
     weights = inputs[1].sum(-1, keepdim=True)           # grad's loss: a weighted sum
     cases = {   # the transformed call, and what fused=False's must equal (None: grad's, below)
         "vmap of positions": (lambda fused: torch.func.vmap(lambda p: call(inputs[0], fused, p))(positions),
