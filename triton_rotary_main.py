@@ -1037,10 +1037,10 @@ def _check_untransformed(**tensors):
     batched tensor, grad's or jvp's wrapper): the kernels read storage, which those wrappers
     have not, and would fail inside Triton. fused=False computes the formula with torch ops,
     which the transforms see through."""
-    # torch._C._functorch is private; peek_interpreter_stack (None outside every transform)
-    # and is_functorch_wrapped_tensor, as torch 2.11 and 2.13 define them. Not traced by
-    # torch.compile.
-    if torch.compiler.is_compiling() or _FUNCTORCH.peek_interpreter_stack() is None:
+    # torch._C._functorch is private; peek_interpreter_stack (None outside every transform,
+    # but not while torch.compile traces) and is_functorch_wrapped_tensor, as torch 2.11 and
+    # 2.13 define them. The stack first: it costs a tenth of a microsecond, is_compiling twice that.
+    if _FUNCTORCH.peek_interpreter_stack() is None or torch.compiler.is_compiling():
         return
     for name, x in tensors.items():
         if isinstance(x, torch.Tensor) and _FUNCTORCH.is_functorch_wrapped_tensor(x):
