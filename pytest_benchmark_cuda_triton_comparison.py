@@ -2786,6 +2786,14 @@ def test_from_hf_config_bad_configs_raise():
         config = dict({"hidden_size": 512, "num_attention_heads": 8}, **{key: value})
         with pytest.raises(ValueError, match=f"config's {key} must be a positive int"):
             RotaryPositionEmbedding.from_hf_config(config)
+    # A flag of the config's rope dict is named as its key, there and for the models whose
+    # layout transformers fixes.
+    for model_type in (None, "qwen3_vl_text"):
+        config = {"hidden_size": 64, "num_attention_heads": 2, "model_type": model_type,
+                  "rope_scaling": {"rope_type": "default", "mrope_section": [8, 4, 4],
+                                   "mrope_interleaved": "false"}}
+        with pytest.raises(TypeError, match=r"^rope_scaling\['mrope_interleaved'\] must be a bool"):
+            RotaryPositionEmbedding.from_hf_config(config)
 
 
 def test_inplace_rejects_training_and_overlap():

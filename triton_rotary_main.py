@@ -482,15 +482,16 @@ class RotaryPositionEmbedding(torch.nn.Module):
 
         if interleaved is None:
             interleaved = _config_pair_layout(config)
-        mrope_section, mrope_interleaved = rope.get("mrope_section"), rope.get("mrope_interleaved", False)
+        # The constructor reads mrope_section and mrope_interleaved from the rope dict; only
+        # transformers' fixed layout overrides them.
+        mrope = {}
         default_section = _INTERLEAVED_MROPE_MODELS.get(_config_get(config, "model_type"))
         if default_section is not None:
-            mrope_interleaved = True
-            if mrope_section is None:
-                mrope_section = default_section
+            section = rope.get("mrope_section")
+            mrope = dict(mrope_interleaved=True,
+                         mrope_section=default_section if section is None else section)
         return cls(head_dim, rotary_percent=partial, rotary_base=theta, interleaved=interleaved, device=device,
-                   rope_scaling=rope, max_position_embeddings=max_positions,
-                   mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+                   rope_scaling=rope, max_position_embeddings=max_positions, **mrope)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         for name, value in (("max_seq_len", max_seq_len), ("offset", offset)):
