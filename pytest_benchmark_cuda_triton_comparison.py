@@ -4397,16 +4397,19 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
     """Without a norm, a tile of TE's table whose angles serve rule.table_warps_min_heads heads
     or more takes rule.table_warps warps, forward and backward, alone and with q and k in one
     launch; a thd tile whose tokens search cu_seqlens takes rule.search_warps with angles from
-    positions and rule.num_warps with TE's table; a table tile of fewer heads and every other
-    tile with angles from positions keep rule.num_warps. Only the plans are read."""
+    positions, and with TE's table rule.table_warps where its tokens are rule.search_wide_token
+    bytes or wider, rule.num_warps where they are narrower; a table tile of fewer heads and
+    every other tile with angles from positions keep rule.num_warps. Only the plans are
+    read."""
     L = triton_rotary_launch
     monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
     module = RotaryPositionEmbedding(16, device=DEVICE)
     table = module(64)
-    # A row is 16 float32 channels, 64 bytes: 256-byte tiles hold 4 rows.
-    rule = L.launch_rule()._replace(tile_bytes=256, search_tile_bytes=256, num_warps=4,
+    # A row is 16 float32 channels, 64 bytes (32: 128 bytes): a token of 4 heads is 256 bytes
+    # (512), which 512-byte tiles and 256-byte search tiles hold whole.
+    rule = L.launch_rule()._replace(tile_bytes=512, search_tile_bytes=256, num_warps=4,
                                     search_warps=8, table_warps=2, table_warps_min_heads=4,
-                                    min_programs_per_sm=0)
+                                    search_wide_token=512, min_programs_per_sm=0)
     cu_seqlens = torch.tensor([0, 30, 64], dtype=torch.int32, device=DEVICE)
     thd = dict(tensor_format="thd", cu_seqlens=cu_seqlens)
     calls = {
@@ -4415,6 +4418,8 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
         "2 heads, table": (torch.randn(64, 1, 2, 16, device=DEVICE), table, {}),
         "thd search, table": (torch.randn(64, 4, 16, device=DEVICE), table, thd),
         "thd search, positions": (torch.randn(64, 4, 16, device=DEVICE), module, thd),
+        "thd search, table, wide": (torch.randn(64, 4, 32, device=DEVICE), table, thd),
+        "thd search, positions, wide": (torch.randn(64, 4, 32, device=DEVICE), module, thd),
         "thd positions given": (torch.randn(64, 4, 16, device=DEVICE), module,
                                 dict(tensor_format="thd", positions=torch.arange(64, device=DEVICE))),
     }
@@ -4437,6 +4442,8 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
         ("2 heads, table", False): 4, ("2 heads, table", True): 4,
         ("thd search, table", False): 4, ("thd search, table", True): 4,
         ("thd search, positions", False): 8, ("thd search, positions", True): 8,
+        ("thd search, table, wide", False): 2, ("thd search, table, wide", True): 2,
+        ("thd search, positions, wide", False): 8, ("thd search, positions, wide", True): 8,
         ("thd positions given", False): 4, ("thd positions given", True): 4,
         ("q, k, table", False): [2],
     }, found
@@ -4445,8 +4452,8 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
 def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     """Without a norm, a thd call that searches cu_seqlens with angles from positions takes
     search tiles (rule.search_tile_bytes) where a token is narrower than
-    rule.search_positions_wide_token, and plain tiles (rule.tile_bytes) from there on, or
-    always where that is 0; TE's table always takes search tiles. The guessed window
+    rule.search_wide_token, and plain tiles (rule.tile_bytes) from there on, or
+    always where that is 0; so does TE's table. The guessed window
     (Variant.SEARCH_GUESS) is on where rule.search_guess says so for TE's table and for the
     plain tiles of wide tokens, not for search tiles with angles from positions nor with a
     norm. Only the plans are read."""
@@ -4456,7 +4463,7 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     table = module(64)
     # A head is 16 float32 channels, 64 bytes: a token of 4 heads is 256 bytes.
     rule = L.launch_rule()._replace(tile_bytes=256, search_tile_bytes=1024,
-                                    search_positions_wide_token=256, search_guess=True,
+                                    search_wide_token=256, search_guess=True,
                                     min_programs_per_sm=0)
     thd = dict(tensor_format="thd", cu_seqlens=torch.tensor([0, 30, 64], dtype=torch.int32,
                                                             device=DEVICE))
@@ -4472,11 +4479,12 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
 
     assert tile(rule, wide, module) == (1, 4, True)            # 256-byte tokens: plain tiles
     assert tile(rule, narrow, module) == (8, 2, False)         # 128-byte tokens: 1024 bytes
-    assert tile(rule._replace(search_positions_wide_token=0), wide, module) == (4, 4, False)
+    assert tile(rule._replace(search_wide_token=0), wide, module) == (4, 4, False)
     assert tile(rule._replace(search_guess=False), wide, module) == (1, 4, False)
-    assert tile(rule, wide, table) == (4, 4, True)
+    assert tile(rule, wide, table) == (1, 4, True)
     assert tile(rule, narrow, table) == (8, 2, True)
-    assert tile(rule._replace(search_guess=False), wide, table) == (4, 4, False)
+    assert tile(rule._replace(search_wide_token=0), wide, table) == (4, 4, True)
+    assert tile(rule._replace(search_guess=False), wide, table) == (1, 4, False)
     assert tile(rule, wide, table, norm=norm)[2] is False
     assert tile(rule, wide, module, norm=norm)[2] is False
 

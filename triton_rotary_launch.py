@@ -65,21 +65,27 @@ NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
 # thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
 # program, more of their (latency-bound) searches in flight at once; with angles from
-# positions, in SEARCH_WARPS warps, and only where a tile holds several tokens: a token of
-# SEARCH_POSITIONS_WIDE_TOKEN bytes or more (all its heads) takes TILE_BYTES, as a call that
-# does not search. Kernels alone, fraction of copy speed, the rule with both against neither
-# of that and SEARCH_GUESS (artifacts/tiles/positions_rule_ab_h200_5.log, _h100_4.log):
-# 16 heads of d 128 in bf16 0.94 -> 0.98 on the H200, 0.97 -> 0.975 on the H100; float32
-# packed points 0.96-0.97 -> 0.995-1.004 / 0.990-1.003. Where a 4 KiB tile would hold
+# positions in SEARCH_WARPS warps. A token of SEARCH_WIDE_TOKEN bytes or more (all its heads)
+# takes TILE_BYTES instead, as a call that does not search, and with TE's table TABLE_WARPS
+# warps. Kernels alone, fraction of copy speed, angles from positions, the rule with both
+# against neither of that and SEARCH_GUESS (artifacts/tiles/positions_rule_ab_h200_5.log,
+# _h100_4.log): 16 heads of d 128 in bf16 0.94 -> 0.98 on the H200, 0.97 -> 0.975 on the H100;
+# float32 packed points 0.96-0.97 -> 0.995-1.004 / 0.990-1.003. Where a 4 KiB tile would hold
 # several tokens (8 heads in bf16) it ran 0.95 -> 0.86-0.93 on the H200
-# (positions_rule_ab_h200_3.log, _4.log). 8 warps instead of 4, bf16: on four H100 machines
+# (positions_rule_ab_h200_3.log, _4.log). TE's table, wide tokens, 8 KiB in 4 warps against
+# 4 KiB in 2, H200, three runs (artifacts/thd/thd_table_wide_token_ab_h200.log): lognormal
+# lengths, 16 heads, bf16 0.913-0.919 -> 0.953-0.956, float32 0.960-0.964 -> 0.981-0.984;
+# mixed lengths, 32 heads, float32 0.970-0.974 -> 0.988-0.995 (bf16 unchanged, 0.95-0.96);
+# 8 heads in float32 0.972-0.980 -> 0.997-0.999; 4 KiB in 4 warps lost at lognormal and mixed
+# lengths in bf16 (0.86, 0.83), as did 16 KiB in 4 warps and 8 KiB in 2; not run on the H100.
+# 8 warps instead of 4, bf16, angles from positions: on four H100 machines
 # (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and 4096 packed
 # sequences of 64 and 32 tokens and lognormal lengths gained 0.003-0.013 (0.971-0.982 ->
 # 0.974-0.991); on the H200 (positions_rule_ab_h200.log) the same uniform sequences lost
 # 0.07-0.11 (0.947-0.955 -> 0.839-0.886). So 4.
 SEARCH_TILE_BYTES = 8192
 SEARCH_WARPS = 4
-SEARCH_POSITIONS_WIDE_TOKEN = TILE_BYTES
+SEARCH_WIDE_TOKEN = TILE_BYTES
 # thd search tiles first read the window of cu_seqlens where the tile would lie were all
 # sequences of one length, and search only where it does not hold all their tokens' sequences
 # (`_guessed_sequences`): a chain of one dependent load instead of two to five (below 65 536
@@ -106,7 +112,8 @@ QKV_TILE_BYTES = 8192
 # 70B's query heads 0.930 -> 0.950 and 0.936 -> 0.960; H100 -1.4% to +0.9% at those points but
 # the packed one, 0.889 -> 0.960. At two heads (d 64) 2 warps lost on the H200 (0.668 ->
 # 0.550): each thread then works out more angles per byte it moves. Tiles that search
-# cu_seqlens did not gain (0.965 -> 0.948 at 8 heads), and register caps (maxnreg 32) spilled.
+# cu_seqlens take it only for wide tokens (SEARCH_TILE_BYTES): their 8 KiB tiles of several
+# tokens did not gain (0.965 -> 0.948 at 8 heads). Register caps (maxnreg 32) spilled.
 TABLE_WARPS = 2
 TABLE_WARPS_MIN_HEADS = 4
 # With a norm, a program holds a tile's loads until each row's sums are complete, and the
@@ -280,7 +287,7 @@ QK_NORM_OVERLAP = True
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
 # gives each thread INTERPRETER_TILE_BYTES elements, more than a tile holds, so every tile is
 # one warp and INTERPRETER_NORM_PROGRAMS warps per "SM" are as many programs. Every thd token
-# counts as wide (SEARCH_POSITIONS_WIDE_TOKEN 1): its tiles are of one size, and tiles with
+# counts as wide (SEARCH_WIDE_TOKEN 1): its tiles are of one size, and tiles with
 # angles from positions then take the guessed window, as a GPU's of wide tokens do.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
@@ -295,7 +302,7 @@ class LaunchRule(NamedTuple):
     min_programs_per_sm: int    # the interpreter counts as one SM
     search_tile_bytes: int
     search_warps: int
-    search_positions_wide_token: int    # 0: never
+    search_wide_token: int      # 0: never
     search_guess: bool
     qkv_tile_bytes: int
     table_warps: int
@@ -319,7 +326,7 @@ class LaunchRule(NamedTuple):
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, SEARCH_WARPS,
-                      SEARCH_POSITIONS_WIDE_TOKEN, SEARCH_GUESS, QKV_TILE_BYTES,
+                      SEARCH_WIDE_TOKEN, SEARCH_GUESS, QKV_TILE_BYTES,
                       TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NORM_WARPS, NORM_ONE_HEAD_WARPS,
                       NORM_POSITIONS_TILE_BYTES, NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS,
                       NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
@@ -1473,9 +1480,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
     # One tensor without a norm (where SEARCH_TILE_BYTES and SEARCH_GUESS were measured)
     lone_search = searches and norm is None and k is None
-    wide_positions = lone_search and source.from_positions and (
-        0 < rule.search_positions_wide_token <= shape.nheads * shape.head_dim * t.element_size())
-    if wide_positions:
+    wide_token = lone_search and (
+        0 < rule.search_wide_token <= shape.nheads * shape.head_dim * t.element_size())
+    if wide_token:
         tile_bytes = rule.tile_bytes                    # SEARCH_TILE_BYTES says why
     if norm_backward:
         tile_bytes = _norm_backward_tile_bytes(rule, source, shape.head_dim, t.element_size())
@@ -1499,8 +1506,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         num_warps = _norm_warps(rule, tile, backward, positions_tile)
     elif searches and source.from_positions:
         num_warps = rule.search_warps                   # SEARCH_TILE_BYTES says why
-    elif (not source.from_positions and not searches
-          and tile["BLOCK_H"] >= rule.table_warps_min_heads):
+    elif not source.from_positions and (
+            wide_token or (not searches and tile["BLOCK_H"] >= rule.table_warps_min_heads)):
         num_warps = rule.table_warps                    # TABLE_WARPS says why
     token_blocks, head_programs = grid
     if k is not None:
@@ -1524,7 +1531,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
                   SEARCH_GUESS=(rule.search_guess and lone_search
-                                and (wide_positions or not source.from_positions)),
+                                and (wide_token or not source.from_positions)),
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   SAVED_RSTD=norm is not None and norm.rstd is not None,
                   NORM_AFTER_ANGLES=(norm is not None and not backward

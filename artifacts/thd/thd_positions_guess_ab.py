@@ -2,7 +2,7 @@
 of several tokens that search cu_seqlens) against two variants, each in its own source tree
 (on a CUDA device). V1: those tiles first read the guessed window of cu_seqlens
 (SEARCH_GUESS) where the call has more than 32 sequences; V2: such calls take the plain 4 KiB
-tile with the guessed window, as a token of 4 KiB or more does (SEARCH_POSITIONS_WIDE_TOKEN).
+tile with the guessed window, as a token of 4 KiB or more does (SEARCH_WIDE_TOKEN).
 Timed as the models sweep times (rope_bench._run_models: rotating sets, kernels alone).
 
     python artifacts/thd/thd_positions_guess_ab.py TREE LABEL     # one process per tree

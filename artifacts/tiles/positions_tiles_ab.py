@@ -8,7 +8,7 @@ eager device copy of the same bytes, the peers (flash-attn's and Liger's rotary)
 
 With --rule, the launch rule against itself with one of its thd search choices undone
 (SEARCH_TILE_BYTES and SEARCH_GUESS say why each is made): tokens of
-SEARCH_POSITIONS_WIDE_TOKEN bytes or more in search tiles of SEARCH_TILE_BYTES (`no_wide`),
+SEARCH_WIDE_TOKEN bytes or more in search tiles of SEARCH_TILE_BYTES (`no_wide`),
 search tiles without the guessed window (`no_guess`), and both (`before`), at the thd points
 that search cu_seqlens, for both paths (TE's table and angles from positions), in bf16 and
 fp32; writes OUT/positions_rule_ab.log and .json.
@@ -38,9 +38,9 @@ POINTS = ["hf-view-q-8K", "thd-2048x64-h8", "thd-mixed-16K-h32", "thd-lognormal-
 VARIANTS = {"rule": None, "2K_2w": (2048, 2), "4K_2w": (4096, 2), "8K_2w": (8192, 2),
             "8K_8w": (8192, 8), "16K_8w": (16384, 8)}
 G = L.GPU_RULE
-RULE_VARIANTS = {"rule": G, "no_wide": G._replace(search_positions_wide_token=0),
+RULE_VARIANTS = {"rule": G, "no_wide": G._replace(search_wide_token=0),
                  "no_guess": G._replace(search_guess=False),
-                 "before": G._replace(search_positions_wide_token=0, search_guess=False)}
+                 "before": G._replace(search_wide_token=0, search_guess=False)}
 RULE_POINTS = ["thd-2048x64-h8", "thd-4096x32-h8", "thd-mixed-16K-h32", "thd-lognormal-32K-h16",
                "VLM-7B-k-thd-8x8K", "VLM-7B-q-thd-8x8K"]
 RULE_DTYPES = ("bf16", "fp32")
