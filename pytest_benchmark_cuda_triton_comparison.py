@@ -3982,6 +3982,19 @@ def test_pipelined_tiles_compute_sin_cos_once_per_program():
         assert tile["sin"] == 1, tile
 
 
+def test_table_norm_backward_loads_its_tile_before_the_table():
+    """In the unpipelined token loop of a norm's backward with TE's table, a tile of one token
+    (8 heads, a batch of one, where ptxas put the table's loads and sin/cos first) issues all
+    its loads of the gradient and the norm's input before the table row's (`_rope_tile`'s
+    barrier): the loop's last loads are the table's two 32-bit ones, one per half, with and
+    without BATCH_OF_ONE."""
+    tile = dict(BLOCK_T=1, BLOCK_H=8, NORM=1, BACKWARD=True, ANGLES_FROM_POSITIONS=False,
+                SEQ_MAJOR=False, FLAT_GRID=True)
+    for result in _compile_tiles(tile, dict(tile, BATCH_OF_ONE=True)):
+        loads = result["loads"]
+        assert loads.count("LDG.E") == 2 and loads[-2:] == ["LDG.E", "LDG.E"], loads
+
+
 def test_norm_backward_loop_keeps_out_of_shared_memory():
     """The pipelined backward of a norm over a one-head tile of 16 tokens, the tokens spread
     over its 4 warps, carries dL/dweight per token through its token loop and sums it over the

@@ -596,6 +596,20 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
                           batch_idx, norm, weights, cfg)
     BLOCK_H: tl.constexpr = heads.shape[0]
     compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
+    if (cfg.NORM == NORM_OVER_HEAD and cfg.BACKWARD and not cfg.ANGLES_FROM_POSITIONS
+            and cfg.PIPELINE_STAGES == 0 and cfg.BLOCK_T == 1):
+        # In the token loop of a norm's backward with TE's table, ptxas may schedule a
+        # one-token tile's table loads first and their sin/cos before the tile's own loads
+        # (Triton 3.6, sm_90, Qwen3's and Gemma 3's tiles of 8 heads with BATCH_OF_ONE; the
+        # table loads first under 3.5.1 and 3.9 too): every trip then waits out two load
+        # latencies, one after the other. The barrier keeps the tile's loads ahead of the
+        # table's (it waits for no load's data). Kernels alone, bf16, 16K tokens, q and k in
+        # one call, in copies of q and k, H200 (artifacts/qknorm/norm_backward_load_order_ab_
+        # h200.log): Qwen3-8B 1.92 -> 1.78, Qwen3-32B 1.92 -> 1.78, Gemma 3 2.08 -> 1.88.
+        # Only here: in every table norm backward it cost TP 8's key (one head, 8 tokens a
+        # tile) 35% and OLMo 2's norm over the token 4%, tiles ptxas had ordered well.
+        # Not run on the H100.
+        tl.debug_barrier()
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
                               shape.rotary_dim, freqs, compute_dtype, BLOCK_H > 1, cfg)
     return _rotate_and_store(inputs, rotation, norm, cfg)
