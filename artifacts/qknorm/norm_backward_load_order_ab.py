@@ -29,21 +29,20 @@ POINTS = Q.POINTS + [dict(model="Qwen3-32B", hq=64, hk=8, d=128, offset=0.0, ove
 
 
 def steps(P):
-    f, kw = P.freqs, dict(tensor_format="bshd")
-    rope, qk = L.set_rotary_kernel, L.set_rotary_qk_kernel
+    """rope_qknorm_rules' lines of q and k in one call (and the copy, the fused QKV), under this
+    script's names, with each tensor's own calls beside them."""
+    shared = Q.lines(P)
+    f, kw, rope = P.freqs, dict(tensor_format="bshd"), L.set_rotary_kernel
     lines = {
-        "copy": lambda S: (S.qd.copy_(S.q), S.kd.copy_(S.k)),
+        "copy": shared["copy"],
         "q_bwd": lambda S: rope(S.gq, f, backward=True, norm=P.nq, norm_input=S.q, **kw),
         "k_bwd": lambda S: rope(S.gk, f, backward=True, norm=P.nk, norm_input=S.k, **kw),
-        "qk_bwd": lambda S: qk(S.gq, S.gk, f, backward=True, q_norm=P.nq, k_norm=P.nk,
-                               q_input=S.q, k_input=S.k, **kw),
+        "qk_bwd": shared["qk_norm_bwd"],
         "q_fwd": lambda S: rope(S.q, f, norm=P.nq, **kw),
-        "qk_fwd": lambda S: qk(S.q, S.k, f, q_norm=P.nq, k_norm=P.nk, **kw),
+        "qk_fwd": shared["qk_norm_fwd"],
     }
     if P.split:
-        lines["qkv_bwd"] = lambda S: L.set_rotary_qkv_kernel(S.qkv, f, f, P.split, "bshd",
-                                                             grads=S.grads, q_norm=P.nq,
-                                                             k_norm=P.nk)
+        lines["qkv_bwd"] = shared["qkv_norm_bwd"]
     return lines
 
 
