@@ -4466,7 +4466,8 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     """Without a norm, a thd call that searches cu_seqlens with angles from positions takes
     search tiles (rule.search_tile_bytes) where a token is narrower than
     rule.search_wide_token, and plain tiles (rule.tile_bytes) from there on, or
-    always where that is 0; so does TE's table. The guessed window
+    always where that is 0; so does TE's table, except that its tokens in a 16-bit dtype of
+    rule.table_search_token_16bit bytes or more keep search tiles. The guessed window
     (Variant.SEARCH_GUESS) is on where rule.search_guess says so for TE's table and for the
     plain tiles of wide tokens, not for search tiles with angles from positions nor with a
     norm. Only the plans are read."""
@@ -4500,6 +4501,16 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     assert tile(rule._replace(search_guess=False), wide, table) == (1, 4, False)
     assert tile(rule, wide, table, norm=norm)[2] is False
     assert tile(rule, wide, module, norm=norm)[2] is False
+    # bf16 tokens of 4 heads, 128 bytes, all wide: TE's table keeps 1024-byte search tiles of
+    # 8 tokens where they are table_search_token_16bit bytes or more, else 256-byte plain
+    # tiles of 2; angles from positions and float32 tokens take plain tiles either way.
+    wide16 = wide.to(torch.bfloat16)
+    rule16 = rule._replace(search_wide_token=128, table_search_token_16bit=128)
+    assert tile(rule16, wide16, table) == (8, 4, True)
+    assert tile(rule16._replace(table_search_token_16bit=256), wide16, table) == (2, 4, True)
+    assert tile(rule16._replace(table_search_token_16bit=0), wide16, table) == (2, 4, True)
+    assert tile(rule16, wide16, module) == (2, 4, True)
+    assert tile(rule16._replace(table_search_token_16bit=64), wide, table) == (1, 4, True)
 
 
 def _norm_forward_plans(t, freqs, **options):
@@ -5316,20 +5327,23 @@ def test_report_fraction_axis_holds_every_value():
 
 def test_restamp_marks_rows_and_the_summary_says_so(tmp_path, monkeypatch):
     """restamp gives the rows of one kernel-sources hash the device-code stamp, leaves other
-    rows alone, records the note in run.json, and the summaries count those rows as current
-    and print the note."""
+    rows alone, and those its `leave` picks, records the note in run.json, and the summaries
+    count those rows as current and print the note."""
     current = report.device_code_stamp()
     rows = _fake_results(dict(kernel="aaaa")) + _fake_sweep_rows("margin", 0, "bf16", "forward",
                                                             dict(triton=1.0, copy=1.0), kernel="bbbb")
+    rows[0]["device_code"] = "old"
     out = _fake_artifacts(tmp_path, monkeypatch, rows)
-    assert report.restamp(["gpu"], "aaaa", current, "generated code compared: identical") == {"gpu": len(rows) - 2}
+    assert report.restamp(["gpu"], "aaaa", current, "generated code compared: identical",
+                          leave=lambda r: r.get("device_code") == "old") == {
+        "gpu": len(rows) - 3}
     stored = json.loads((out / "results.json").read_text())
-    assert [r.get("device_code") for r in stored] == [current] * (len(rows) - 2) + [None, None]
+    assert [r.get("device_code") for r in stored] == ["old"] + [current] * (len(rows) - 3) + [None, None]
     assert json.loads((out / "run.json").read_text())["restamped"][0]["note"] == "generated code compared: identical"
     report.regenerate()
     for summary in (out / "SUMMARY.md", tmp_path / "SUMMARY.md"):
         text = summary.read_text()
-        assert f"gpu {len(rows) - 2} of {len(rows)}" in text and "generated code compared: identical" in text
+        assert f"gpu {len(rows) - 3} of {len(rows)}" in text and "generated code compared: identical" in text
 
 
 def test_rows_line_counts_models_rows_by_timing():

@@ -316,18 +316,21 @@ def _launch_constants(module):
             or (rule_type is not None and isinstance(getattr(module, n, None), rule_type))]
 
 
-def restamp(gpu_dirs, old_kernel_hash, new_stamp, note):
+def restamp(gpu_dirs, old_kernel_hash, new_stamp, note, leave=None):
     """Give the rows measured with kernel sources `old_kernel_hash` the device-code stamp
     `new_stamp`, for when the device code and launch rule of those sources were checked to be
-    the ones `new_stamp` stands for; `note` says how that was checked. Each folder's run.json
-    records it (field `restamped`), and the summaries print it. `gpu_dirs`: folder names under
-    artifacts/ or paths. Returns {folder: rows restamped}."""
+    the ones `new_stamp` stands for; `note` says how that was checked. `leave`, if given, picks
+    the rows among them whose launches the change does touch: they keep their stamp (and so
+    count as measured with other device code). Each folder's run.json records it (field
+    `restamped`), and the summaries print it. `gpu_dirs`: folder names under artifacts/ or
+    paths. Returns {folder: rows restamped}."""
     done = {}
     for gpu_dir in gpu_dirs:
         folder = os.path.join(ARTIFACTS_ROOT, gpu_dir)
         results_path, run_path = os.path.join(folder, "results.json"), os.path.join(folder, "run.json")
         results = load_json(results_path, [])
-        matching = [r for r in results if r.get("kernel") == old_kernel_hash]
+        matching = [r for r in results if r.get("kernel") == old_kernel_hash
+                    and not (leave and leave(r))]
         for r in matching:
             r["device_code"] = new_stamp
         done[gpu_dir] = len(matching)

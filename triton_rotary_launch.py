@@ -87,6 +87,17 @@ MIN_PROGRAMS_PER_SM = 4
 SEARCH_TILE_BYTES = 8192
 SEARCH_WARPS = 4
 SEARCH_WIDE_TOKEN = TILE_BYTES
+# With TE's table, a token in a 16-bit dtype of TABLE_SEARCH_TOKEN_16BIT bytes or more (32
+# heads of d 128) keeps the search tile, which then holds the whole token: each sin/cos serves
+# all its heads, twice as many as in the plain tile, and a 16-bit tile has twice the pairs per
+# byte of a float32 one. Kernels alone, H200, two A B A B runs in one lease
+# (artifacts/thd/thd_table_token_ab_h200.log), plain tile in 2 warps -> search tile: 16
+# sequences of 2048 tokens bf16 0.917-0.931 -> 0.945-0.948, fp16 0.920-0.928 -> 0.937-0.947;
+# mixed lengths fp16 0.930-0.943 -> 0.953-0.962, bf16 within 0.01 (0.951-0.961 -> 0.953-0.961);
+# float32 tokens of 8 and 16 KiB lost (0.98-0.99 -> 0.96-0.97) and keep the plain tile. The
+# parameter sweeps' thd_empty_sequences (this shape, bf16) had read 0.015-0.035 lower with the
+# plain tile. Not run on the H100.
+TABLE_SEARCH_TOKEN_16BIT = SEARCH_TILE_BYTES
 # thd search tiles first read the window of cu_seqlens where the tile would lie were all
 # sequences of one length, and search only where it does not hold all their tokens' sequences
 # (`_guessed_sequences`): a chain of one dependent load instead of two to five (below 65 536
@@ -288,8 +299,9 @@ QK_NORM_OVERLAP = True
 # tensor bounds), so its rule pipelines nothing. Warps mean nothing there: its norm backward
 # gives each thread INTERPRETER_TILE_BYTES elements, more than a tile holds, so every tile is
 # one warp and INTERPRETER_NORM_PROGRAMS warps per "SM" are as many programs. Every thd token
-# counts as wide (SEARCH_WIDE_TOKEN 1): its tiles are of one size, and tiles with
-# angles from positions then take the guessed window, as a GPU's of wide tokens do.
+# counts as wide (SEARCH_WIDE_TOKEN 1, TABLE_SEARCH_TOKEN_16BIT 0): its tiles are of one size,
+# and tiles with angles from positions then take the guessed window, as a GPU's of wide
+# tokens do.
 INTERPRETER_TILE_BYTES = 1 << 18
 INTERPRETER_MIN_PROGRAMS = 0
 INTERPRETER_NORM_ROWS = 1024
@@ -304,6 +316,7 @@ class LaunchRule(NamedTuple):
     search_tile_bytes: int
     search_warps: int
     search_wide_token: int      # 0: never
+    table_search_token_16bit: int   # 0: never
     search_guess: bool
     qkv_tile_bytes: int
     table_warps: int
@@ -327,7 +340,7 @@ class LaunchRule(NamedTuple):
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, SEARCH_WARPS,
-                      SEARCH_WIDE_TOKEN, SEARCH_GUESS, QKV_TILE_BYTES,
+                      SEARCH_WIDE_TOKEN, TABLE_SEARCH_TOKEN_16BIT, SEARCH_GUESS, QKV_TILE_BYTES,
                       TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NORM_WARPS, NORM_ONE_HEAD_WARPS,
                       NORM_POSITIONS_TILE_BYTES, NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS,
                       NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
@@ -337,7 +350,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
                       QK_NORM_OVERLAP)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
-                              INTERPRETER_TILE_BYTES, NUM_WARPS, 1, SEARCH_GUESS,
+                              INTERPRETER_TILE_BYTES, NUM_WARPS, 1, 0, SEARCH_GUESS,
                               INTERPRETER_TILE_BYTES,
                               TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NUM_WARPS, NUM_WARPS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
@@ -1481,8 +1494,11 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
     # One tensor without a norm (where SEARCH_TILE_BYTES and SEARCH_GUESS were measured)
     lone_search = searches and norm is None and k is None
-    wide_token = lone_search and (
-        0 < rule.search_wide_token <= shape.nheads * shape.head_dim * t.element_size())
+    token_bytes = shape.nheads * shape.head_dim * t.element_size()
+    wide_token = lone_search and 0 < rule.search_wide_token <= token_bytes
+    if (wide_token and not source.from_positions and t.element_size() == 2
+            and 0 < rule.table_search_token_16bit <= token_bytes):
+        wide_token = False                              # TABLE_SEARCH_TOKEN_16BIT says why
     if wide_token:
         tile_bytes = rule.tile_bytes                    # SEARCH_TILE_BYTES says why
     if norm_backward:
