@@ -89,8 +89,8 @@ SEARCH_WARPS = 4
 SEARCH_WIDE_TOKEN = TILE_BYTES
 # With TE's table, a token in a 16-bit dtype of TABLE_SEARCH_TOKEN_16BIT bytes or more (32
 # heads of d 128) keeps the search tile, which then holds the whole token: each sin/cos serves
-# all its heads, twice as many as in the plain tile, and a 16-bit tile has twice the pairs per
-# byte of a float32 one. Kernels alone, H200, two A B A B runs in one lease
+# all its heads, twice as many as in the plain tile. That won only in 16-bit dtypes (twice the
+# pairs per byte of float32). Kernels alone, H200, two A B A B runs in one lease
 # (artifacts/thd/thd_table_token_ab_h200.log), plain tile in 2 warps -> search tile: 16
 # sequences of 2048 tokens bf16 0.917-0.931 -> 0.945-0.948, fp16 0.920-0.928 -> 0.937-0.947;
 # mixed lengths fp16 0.930-0.943 -> 0.953-0.962, bf16 within 0.01 (0.951-0.961 -> 0.953-0.961);
