@@ -76,7 +76,8 @@ MIN_PROGRAMS_PER_SM = 4
 # 4 KiB in 2, H200, three runs (artifacts/thd/thd_table_wide_token_ab_h200.log): lognormal
 # lengths, 16 heads, bf16 0.913-0.919 -> 0.953-0.956, float32 0.960-0.964 -> 0.981-0.984;
 # mixed lengths, 32 heads, float32 0.970-0.974 -> 0.988-0.995 (bf16 unchanged, 0.95-0.96;
-# fp16 0.947-0.956 -> 0.933-0.939, its one loss: thd_table_wide_token_fp16_ab_h200.log);
+# fp16 0.947-0.956 -> 0.933-0.939, thd_table_wide_token_fp16_ab_h200.log: such 16-bit tokens
+# keep the search tile, TABLE_SEARCH_TOKEN_16BIT);
 # 8 heads in float32 0.972-0.980 -> 0.997-0.999; 4 KiB in 4 warps lost at lognormal and mixed
 # lengths in bf16 (0.86, 0.83), as did 16 KiB in 4 warps and 8 KiB in 2; not run on the H100.
 # 8 warps instead of 4, bf16, angles from positions: on four H100 machines
