@@ -1496,10 +1496,11 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     # One tensor without a norm (where SEARCH_TILE_BYTES and SEARCH_GUESS were measured)
     lone_search = searches and norm is None and k is None
     token_bytes = shape.nheads * shape.head_dim * t.element_size()
-    wide_token = lone_search and 0 < rule.search_wide_token <= token_bytes
-    if (wide_token and not source.from_positions and t.element_size() == 2
-            and 0 < rule.table_search_token_16bit <= token_bytes):
-        wide_token = False                              # TABLE_SEARCH_TOKEN_16BIT says why
+    # TE's table in a 16-bit dtype keeps search tiles for wide tokens (TABLE_SEARCH_TOKEN_16BIT)
+    table_keeps_search = (not source.from_positions and t.element_size() == 2
+                          and 0 < rule.table_search_token_16bit <= token_bytes)
+    wide_token = (lone_search and 0 < rule.search_wide_token <= token_bytes
+                  and not table_keeps_search)
     if wide_token:
         tile_bytes = rule.tile_bytes                    # SEARCH_TILE_BYTES says why
     if norm_backward:
