@@ -2,30 +2,50 @@
 input sets, graphed, against the faster graphed copy), one tree per process:
 
     python artifacts/batch_of_one/batch_of_one_ab.py TREE OUT.json DTYPES [POINTS]
-    # DTYPES e.g. bf16,fp16,fp32; POINTS: comma-separated models points (default NAMES)
+    # DTYPES e.g. bf16,fp16,fp32; POINTS: comma-separated models points or EXTRA_POINTS
+    # (default NAMES)
 
 TREE is a folder holding the repository's top-level sources (`git show REV:FILE` of each), or
 the checkout itself. Run it alternately for the two trees (A B A B) on one machine and compare
 the rows. Used for BATCH_OF_ONE / ANGLE_SCALE (`Variant`): the sbhd points of batch 1 whose
 tiles they change, the fused QKV, Hugging Face's view (bshd of batch 1) and a thd point as a
-control (its code unchanged). Without the peers on the path, only our two paths and the copies.
+control (its code unchanged); and for the thd tile rules. Without the peers on the path, only
+our two paths and the copies.
 """
 import json
 import os
 import sys
 
-tree = os.path.abspath(sys.argv[1])
-sys.path.insert(0, tree)
-import rope_bench as B  # noqa: E402
-from rope_bench_report import MODEL_POINT_BY_NAME  # noqa: E402
-
-assert os.path.dirname(B.__file__) == tree, B.__file__
 NAMES = ["MLA-k-rope-128K", "h2-d64-64K", "8B-TP8-k-64K", "8B-TP1-k-8K", "d64-h32-16K",
          "MLA-q-rope-4K", "8B-TP1-q-8K", "d80-h32-16K", "hf-view-q-8K", "qkv-8B-TP1-8K",
          "thd-2048x64-h8"]
-names = sys.argv[4].split(",") if len(sys.argv) > 4 else NAMES
-results = []
-B._run_models(sys.argv[3].split(","), ["forward_kernel", "backward_kernel"], results, {},
-              points=[MODEL_POINT_BY_NAME[n] for n in names], progress=f"[{os.path.basename(tree)}]")
-with open(sys.argv[2], "w") as f:
-    json.dump(results, f)
+# Shapes beside the models points: the thd_empty_sequences sweep's without its empty sequences,
+# and two packed points' tokens as one sbhd sequence (batch 1: no search of cu_seqlens).
+EXTRA_POINTS = {p["name"]: p for p in [
+    dict(name="thd-16x2048-h32", layout="thd", seqs=16, seq_len=2048, heads=32, d=128),
+    dict(name="sbhd-128K-h8", layout="sbhd", tokens=131072, heads=8, d=128),     # thd-2048x64-h8
+    dict(name="sbhd-16K-h32", layout="sbhd", tokens=16384, heads=32, d=128),     # thd-mixed-16K-h32
+]}
+
+
+def point(name):
+    """A models point or one of EXTRA_POINTS, by name (rope_bench_report from the tree imported)."""
+    from rope_bench_report import MODEL_POINT_BY_NAME
+    return EXTRA_POINTS.get(name) or MODEL_POINT_BY_NAME[name]
+
+
+def main():
+    tree = os.path.abspath(sys.argv[1])
+    sys.path.insert(0, tree)
+    import rope_bench as B
+    assert os.path.dirname(B.__file__) == tree, B.__file__
+    names = sys.argv[4].split(",") if len(sys.argv) > 4 else NAMES
+    results = []
+    B._run_models(sys.argv[3].split(","), ["forward_kernel", "backward_kernel"], results, {},
+                  points=[point(n) for n in names], progress=f"[{os.path.basename(tree)}]")
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
