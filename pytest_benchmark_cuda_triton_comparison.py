@@ -3970,6 +3970,21 @@ def test_batch_of_one_saves_instructions():
     assert one["instructions"] < any_batch["instructions"], (one, any_batch)
 
 
+def test_one_head_table_tile_issues_its_table_loads_together():
+    """In a one-head tile of TE's table the check that both members of each pair share their
+    angles comes before any sin/cos (`_rotation_from_table`), so that ptxas issues the table's
+    loads together instead of one per sin/cos: MLA's key tile (32 tokens x 32 interleaved
+    pairs, a batch of one, bf16, 4 warps) loads 8 KiB of angles, four 16-byte loads per
+    thread, and 4 KiB of the tensor, two, forward and backward. With the sin/cos of the first
+    members before the check, the table's four lay 220 instructions apart (Triton 3.5.1-3.9)."""
+    tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True, ANGLES_FROM_POSITIONS=False,
+                BATCH_OF_ONE=True)
+    for result in _compile_tiles(tile, dict(tile, BACKWARD=True)):
+        assert result["loads"] == ["LDG.E.128"] * 6, result["loads"]
+        table = result["load_at"][:4]
+        assert table[-1] - table[0] <= 24, result["load_at"]
+
+
 def test_pipelined_tiles_compute_sin_cos_once_per_program():
     """In the software-pipelined backward of a norm (`_norm_backward_tiles`), where one-trip
     loops would keep Triton from pipelining, `_own_layout` keeps the angles from being
@@ -5105,6 +5120,23 @@ def test_models_time_fp16_and_parameter_sweeps_do_not(monkeypatch):
     rope_bench._timed_rows(["seq_length", "models"], dtypes, ["forward"], ["forward_kernel"], {})
     assert sorted(set(timed)) == [("models", "bf16"), ("models", "fp16"), ("models", "fp32"),
                                   ("seq_length", "bf16"), ("seq_length", "fp32")]
+
+
+def test_models_points_option_times_the_named_points_only(monkeypatch):
+    """`--points` hands the named models points to the models sweep (and only to it); a name
+    it does not know, or points without the models sweep, stop the run before any timing."""
+    import rope_bench
+    asked = []
+    monkeypatch.setattr(rope_bench, "_run_sweep", lambda *_: None)
+    monkeypatch.setattr(rope_bench, "_run_models", lambda *_, points=None, **__: asked.append(points))
+    names = ["thd-mixed-16K-h32", "MLA-k-rope-128K"]
+    points = [report.MODEL_POINT_BY_NAME[n] for n in names]
+    rope_bench._timed_rows(["seq_length", "models"], ["bf16"], ["forward"], ["forward_kernel"], {}, points)
+    assert [[p["name"] for p in a] for a in asked] == [names]
+    with pytest.raises(SystemExit, match="unknown models points: no-such-point"):
+        rope_bench.run_benchmarks(["--sweeps", "models", "--points", "MLA-k-rope-128K,no-such-point"])
+    with pytest.raises(SystemExit, match="add models to --sweeps"):
+        rope_bench.run_benchmarks(["--sweeps", "seq_length", "--points", "MLA-k-rope-128K"])
 
 
 def test_table_bound_counts_the_table_rows_the_path_must_read():

@@ -776,6 +776,9 @@ def _parser():
     parser.add_argument("--modes", default=",".join(MODES + MODEL_MODES),
                         help=f"comma-separated; {', '.join(MODES)} apply to the parameter sweeps, "
                              f"{', '.join(MODEL_MODES)} to models (default: all)")
+    parser.add_argument("--points", default="",
+                        help="comma-separated models points by name (default all; rope_bench_report's "
+                             "MODEL_POINTS), to time again a few of them: the rows of the others stay")
     parser.add_argument("--summary-only", action="store_true",
                         help="only regenerate the summaries, every plot and CSV, and results.html from "
                              "artifacts/*/results.json (no GPU needed)")
@@ -793,8 +796,9 @@ def _run_accuracy(path):
     print(f"wrote {path} and its .csv ({len(rows)} positions)")
 
 
-def _timed_rows(sweeps, dtypes, modes, model_modes, stamp):
-    """Every requested sweep, dtype and mode, timed: the result rows, each with `stamp`."""
+def _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points=None):
+    """Every requested sweep, dtype and mode, timed (the models sweep at `points`, default all):
+    the result rows, each with `stamp`."""
     results = []
     for i, sweep in enumerate(sweeps, 1):
         progress = f"[sweep {i}/{len(sweeps)}] {sweep}"
@@ -803,7 +807,7 @@ def _timed_rows(sweeps, dtypes, modes, model_modes, stamp):
                 for mode in modes:
                     _run_sweep(sweep, dtype_name, mode, results, progress)
         elif model_modes:
-            _run_models(dtypes, model_modes, results, stamp, progress=progress)
+            _run_models(dtypes, model_modes, results, stamp, points=points, progress=progress)
         else:
             print(f"{progress} skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
     for r in results:
@@ -824,6 +828,10 @@ def run_benchmarks(argv=None):
     sweeps = _parse_list(args.sweeps, SWEEPS, "sweeps")
     dtypes = _parse_list(args.dtypes, BENCH_DTYPES, "dtypes")
     modes, model_modes = _parse_modes(args.modes)
+    points = [report.MODEL_POINT_BY_NAME[n]
+              for n in _parse_list(args.points, report.MODEL_POINT_BY_NAME, "models points")]
+    if points and "models" not in sweeps:
+        raise SystemExit("--points names models points: add models to --sweeps")
     if not ON_GPU:
         raise SystemExit("make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)")
     started = time.perf_counter()
@@ -837,7 +845,7 @@ def run_benchmarks(argv=None):
     results_path, run_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "run.json")
     previous = report.load_json(results_path, [])
     _warm_up()
-    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp)
+    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points or None)
     # Points measured now replace the same points of an earlier (partial) run.
     fresh = {report.row_key(r) for r in results}
     merged = [r for r in previous if report.row_key(r) not in fresh] + results

@@ -131,7 +131,7 @@ def loop_shared_stores(sass):
 
 def compile_tile(tile):
     """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order,
-    "loop_shared_stores": `loop_shared_stores` of the SASS, "instructions": its instructions
+    "load_at": their indices among the instructions, "loop_shared_stores": `loop_shared_stores` of the SASS, "instructions": its instructions
     but NOPs, "rcp": its MUFU.RCP}."""
     args = example_arguments(K.Variant(**{**DEFAULT_TILE, **tile}))
     sig, constexprs, attrs = signature(K.rotary_kernel, args)
@@ -143,11 +143,12 @@ def compile_tile(tile):
         cubin.flush()
         sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True,
                               check=True).stdout
-    ops = [_opcode(i) for i in _INSTRUCTION.findall(sass)]
+    ops = [op for op in map(_opcode, _INSTRUCTION.findall(sass)) if op != "NOP"]
     return {"sin": len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])),
             "loads": re.findall(r"\bLDG\.[\w.]+", sass),
+            "load_at": [i for i, op in enumerate(ops) if op.startswith("LDG.")],
             "loop_shared_stores": loop_shared_stores(sass),
-            "instructions": sum(op != "NOP" for op in ops),
+            "instructions": len(ops),
             "rcp": ops.count("MUFU.RCP")}
 
 
