@@ -130,13 +130,20 @@ def loop_shared_stores(sass):
 
 
 def compile_tile(tile):
-    """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order,
-    "load_at": their indices among the instructions, "loop_shared_stores": `loop_shared_stores` of the SASS, "instructions": its instructions
-    but NOPs, "rcp": its MUFU.RCP}."""
+    """`sass_stats` of rotary_kernel compiled for sm_90 with the Variant fields `tile` over
+    DEFAULT_TILE, for `example_arguments`."""
     args = example_arguments(K.Variant(**{**DEFAULT_TILE, **tile}))
     sig, constexprs, attrs = signature(K.rotary_kernel, args)
     kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return sass_stats(kernel)
+
+
+def sass_stats(kernel):
+    """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order,
+    "load_at": their indices among the instructions, "loop_shared_stores": `loop_shared_stores`
+    of the SASS, "instructions": its instructions but NOPs, "rcp": its MUFU.RCP} of a kernel
+    that triton.compile returned."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
@@ -175,7 +182,8 @@ def launch_record(kernel, args, constexprs, num_warps, options=None):
 
 
 def compile_launch(record):
-    """Compiles a `launch_record` for sm_90, specialized as Triton's JIT would specialize it."""
+    """A `launch_record` compiled for sm_90, specialized as Triton's JIT would specialize it
+    (triton.compile's kernel)."""
     def decode(value):
         if isinstance(value, dict):
             return getattr(K, value["group"])(*map(decode, value["fields"]))
@@ -185,9 +193,9 @@ def compile_launch(record):
     fn = getattr(K, record["kernel"])
     args = (*map(decode, record["args"]), *map(decode, record["constexprs"]))
     sig, constexprs, attrs = signature(fn, args)
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": record["num_warps"], **record.get("options", {})})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": record["num_warps"], **record.get("options", {})})
 
 
 if __name__ == "__main__":
