@@ -1330,7 +1330,8 @@ def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr,
     warp waited for each load in turn; with the check first every load of the tile is issued
     together (SASS, Triton 3.6). MLA's key, one interleaved head of d 64, bf16/fp16, H200:
     forward 0.45-0.46 -> 0.52 of a copy's speed, backward 0.46-0.47 -> 0.49-0.51 (its own
-    bound, a copy plus the table's bytes, is 0.5); other one-head tiles within 0.006."""
+    bound, a copy plus the table's bytes, is 0.5); other one-head tiles within 0.006. Not
+    run on the H100."""
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
     half = rotary_dim // 2
