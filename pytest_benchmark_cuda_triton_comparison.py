@@ -5139,6 +5139,51 @@ def test_models_points_option_times_the_named_points_only(monkeypatch):
         rope_bench.run_benchmarks(["--sweeps", "seq_length", "--points", "MLA-k-rope-128K"])
 
 
+def test_bench_saves_its_rows_as_it_goes(monkeypatch, tmp_path):
+    """A bench run saves after each parameter sweep's dtype and mode and each models point's
+    dtype (`_timed_rows`' checkpoint), every row stamped, so that a run stopped midway keeps
+    what it timed: `_save_results` merges the rows so far over the earlier ones of the same
+    points, keeps earlier restamp notes, and writes the host extras only with the final save;
+    a save is whole or absent (no temporary file left)."""
+    import rope_bench
+    monkeypatch.setattr(rope_bench, "_run_sweep", lambda sweep, dtype, mode, results, _: results.append(
+        dict(sweep=sweep, x=1, dtype=dtype, mode=mode, provider="triton", ms=1.0)))
+
+    def models(dtypes, modes, results, stamp, points=None, progress="", point_done=None):
+        for p in points:
+            for d in dtypes:
+                results.append(dict(sweep="models", x=p["name"], dtype=d, mode=modes[0],
+                                    provider="triton", ms=2.0) | stamp)
+                point_done()
+    monkeypatch.setattr(rope_bench, "_run_models", models)
+    stamp = dict(kernel="k1", device_code="d1", date="today")
+    saved = []
+    points = [report.MODEL_POINT_BY_NAME[n] for n in ("MLA-k-rope-128K", "h2-d64-64K")]
+    rows = rope_bench._timed_rows(["seq_length", "models"], ["bf16", "fp32"], ["forward"],
+                                  ["forward_kernel"], stamp, points,
+                                  checkpoint=lambda r: saved.append([dict(x) for x in r]))
+    # two parameter parts, four models parts, and the end
+    assert [len(s) for s in saved] == [1, 2, 3, 4, 5, 6, 6]
+    assert all(r["device_code"] == "d1" and r["date"] == "today" for s in saved for r in s)
+    assert saved[-1] == rows
+
+    old = dict(sweep="seq_length", x=1, dtype="bf16", mode="forward", provider="triton", ms=9.0,
+               device_code="d0")
+    kept = dict(old, x=2)
+    note = [dict(kernel="k0", device_code="d0", rows=1, note="n", date="before")]
+    env = {"GPU": "g", "Transformer Engine": "TE x"}
+    rope_bench._save_results(tmp_path, env, stamp, [old, kept], {"restamped": note}, rows[:1])
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert sorted((r["x"], r["ms"]) for r in merged) == [(1, 1.0), (2, 9.0)]
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["restamped"] == note and "extras" not in run and run["device_code"] == "d1"
+    rope_bench._save_results(tmp_path, env, stamp, [old, kept], {"restamped": note}, rows,
+                             extras={"host overhead": "h"})
+    assert len(json.loads((tmp_path / "results.json").read_text())) == len(rows) + 1
+    assert json.loads((tmp_path / "run.json").read_text())["extras"] == {"host overhead": "h"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "run.json"]
+
+
 def test_table_bound_counts_the_table_rows_the_path_must_read():
     """The table path's own bound: a copy's bytes over those plus the float32 table rows read
     (d2 angles each, per pass): one row per token for one sequence (one head of d 128: as many

@@ -576,11 +576,13 @@ def _median_p20_p80(values):
     return at(0.5), at(0.2), at(0.8)
 
 
-def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progress="[models]"):
+def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progress="[models]",
+                point_done=None):
     """Time every models point over rotating input sets (ROTATING_BYTES says how): per
     provider and mode its ms per call, and the ms of the faster device copy of the same bytes
     (one copy per pass; two for forward+backward). Inputs are built once per point and dtype
-    and freed before the next. `progress` starts the line printed per point and dtype."""
+    and freed before the next. `progress` starts the line printed per point and dtype;
+    `point_done()`, if given, is called after each."""
     import gc
     points = points or MODEL_POINTS
     for j, point in enumerate(points, 1):
@@ -619,6 +621,8 @@ def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progr
                       f"({row['bytes'] / row['ms'] / 1e6:.0f} GB/s)", flush=True)
             del works, x, steps, timed
             gc.collect()
+            if point_done is not None:
+                point_done()
             if ON_GPU:
                 torch.cuda.empty_cache()
 
@@ -796,23 +800,47 @@ def _run_accuracy(path):
     print(f"wrote {path} and its .csv ({len(rows)} positions)")
 
 
-def _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points=None):
+def _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points=None, checkpoint=None):
     """Every requested sweep, dtype and mode, timed (the models sweep at `points`, default all):
-    the result rows, each with `stamp`."""
+    the result rows, each with `stamp`. `checkpoint(rows)`, if given, gets the rows so far
+    after each parameter sweep's dtype and mode and after each models point's dtype."""
     results = []
+
+    def done_part():
+        for r in results:
+            r.update({k: v for k, v in stamp.items() if k not in r})
+        if checkpoint is not None:
+            checkpoint(results)
     for i, sweep in enumerate(sweeps, 1):
         progress = f"[sweep {i}/{len(sweeps)}] {sweep}"
         if sweep != "models":
             for dtype_name in (d for d in dtypes if d in DTYPE_NAMES):
                 for mode in modes:
                     _run_sweep(sweep, dtype_name, mode, results, progress)
+                    done_part()
         elif model_modes:
-            _run_models(dtypes, model_modes, results, stamp, points=points, progress=progress)
+            _run_models(dtypes, model_modes, results, stamp, points=points, progress=progress,
+                        point_done=done_part)
         else:
             print(f"{progress} skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
-    for r in results:
-        r.update({k: v for k, v in stamp.items() if k not in r})
+    done_part()
     return results
+
+
+def _save_results(out_dir, env, stamp, previous, previous_run, results, extras=None):
+    """Merges `results` into out_dir's results.json, replacing the same points of earlier
+    (partial) runs, and writes run.json: this run's environment and stamps, `extras` (the
+    host measurements taken at the end; left out of the saves of a run still timing), and the
+    restamp notes of earlier runs, whose rows this run did not replace and keep their stamps."""
+    fresh = {report.row_key(r) for r in results}
+    merged = [r for r in previous if report.row_key(r) not in fresh] + results
+    report.write_json(os.path.join(out_dir, "results.json"), merged)
+    restamped = previous_run.get("restamped", [])
+    env = report.environment_with_kept_te(env, previous_run.get("environment", {}), results, merged)
+    report.write_json(os.path.join(out_dir, "run.json"),
+                      {"environment": env} | ({"extras": extras} if extras else {})
+                      | {"kernel": stamp["kernel"], "device_code": stamp["device_code"]}
+                      | ({"restamped": restamped} if restamped else {}))
 
 
 def run_benchmarks(argv=None):
@@ -842,22 +870,16 @@ def run_benchmarks(argv=None):
     print("environment:", env, "->", out_dir, flush=True)
     print("peers:", {k: "ok" for k in _peers()[0]}, _peers()[1], flush=True)
     stamp = dict(kernel=report.source_hash(), device_code=report.device_code_stamp(), date=env["date"])
-    results_path, run_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "run.json")
-    previous = report.load_json(results_path, [])
+    previous = report.load_json(os.path.join(out_dir, "results.json"), [])
+    previous_run = report.load_json(os.path.join(out_dir, "run.json"), {})
     _warm_up()
-    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points or None)
-    # Points measured now replace the same points of an earlier (partial) run.
-    fresh = {report.row_key(r) for r in results}
-    merged = [r for r in previous if report.row_key(r) not in fresh] + results
-    report.write_json(results_path, merged)
+    # Saved as the run goes: a run stopped midway keeps what it timed (`--summary-only` then
+    # writes its summaries).
+    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points or None,
+                          checkpoint=lambda rows: _save_results(out_dir, env, stamp, previous,
+                                                                previous_run, rows))
     extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}
-    # Restamp notes stay: rows of earlier runs that this one did not replace keep their stamps.
-    previous_run = report.load_json(run_path, {})
-    restamped = previous_run.get("restamped", [])
-    env = report.environment_with_kept_te(env, previous_run.get("environment", {}), results, merged)
-    report.write_json(run_path, {"environment": env, "extras": extras, "kernel": stamp["kernel"],
-                                 "device_code": stamp["device_code"]}
-                      | ({"restamped": restamped} if restamped else {}))
+    _save_results(out_dir, env, stamp, previous, previous_run, results, extras)
     report.regenerate([gpu])
     print(open(os.path.join(out_dir, "SUMMARY.md")).read())
     print(f"{_BENCH_CALLS[0]} timings (do_bench calls and replay_ms runners), "

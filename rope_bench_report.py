@@ -355,8 +355,12 @@ def load_json(path, default):
 
 
 def write_json(path, value):
-    with open(path, "w") as f:
+    """Writes `value` to `path` whole or not at all (through a temporary file beside it): a
+    run stopped while saving keeps the file it had."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(value, f, indent=1)
+    os.replace(tmp, path)
 
 
 TE_OF_KEPT_ROWS = "TE of the TE rows"
