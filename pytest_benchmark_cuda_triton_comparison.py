@@ -3975,14 +3975,16 @@ def test_one_head_table_tile_issues_its_table_loads_together():
     angles comes before any sin/cos (`_rotation_from_table`), so that ptxas issues the table's
     loads together instead of one per sin/cos: MLA's key tile (32 tokens x 32 interleaved
     pairs, a batch of one, bf16, 4 warps) loads 8 KiB of angles, four 16-byte loads per
-    thread, and 4 KiB of the tensor, two, forward and backward. With the sin/cos of the first
-    members before the check, the table's four lay 220 instructions apart (Triton 3.5.1-3.9)."""
+    thread, and 4 KiB of the tensor, two, forward and backward: the first four of its six
+    loads lie within 24 instructions (13 in Triton 3.5.1-3.9). With the sin/cos of the first
+    members before the check they lay 183-222 apart (in 3.6 all six at 110-395, with the check
+    first at 153-216)."""
     tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True, ANGLES_FROM_POSITIONS=False,
                 BATCH_OF_ONE=True)
     for result in _compile_tiles(tile, dict(tile, BACKWARD=True)):
         assert result["loads"] == ["LDG.E.128"] * 6, result["loads"]
-        table = result["load_at"][:4]
-        assert table[-1] - table[0] <= 24, result["load_at"]
+        first_four = result["load_at"][:4]
+        assert first_four[-1] - first_four[0] <= 24, result["load_at"]
 
 
 def test_pipelined_tiles_compute_sin_cos_once_per_program():
@@ -5123,9 +5125,18 @@ def test_models_time_fp16_and_parameter_sweeps_do_not(monkeypatch):
 
 
 def test_models_points_option_times_the_named_points_only(monkeypatch):
-    """`--points` hands the named models points to the models sweep (and only to it); a name
-    it does not know, or points without the models sweep, stop the run before any timing."""
+    """`--points` hands the named models points to the models sweep (and only to it), which
+    runs alone unless --sweeps names others; a name it does not know, or points with sweeps
+    that leave out models, stop the run before any timing."""
     import rope_bench
+
+    def requested(*argv):
+        sweeps, _, _, _, points = rope_bench._requested(rope_bench._parser().parse_args(argv))
+        return sweeps, points and [p["name"] for p in points]
+    assert requested("--points", "MLA-k-rope-128K") == (["models"], ["MLA-k-rope-128K"])
+    assert requested("--sweeps", "seq_length,models", "--points", "h2-d64-64K") == (
+        ["seq_length", "models"], ["h2-d64-64K"])
+    assert requested() == (list(report.SWEEPS), None)
     asked = []
     monkeypatch.setattr(rope_bench, "_run_sweep", lambda *_: None)
     monkeypatch.setattr(rope_bench, "_run_models", lambda *_, points=None, **__: asked.append(points))
@@ -5143,8 +5154,9 @@ def test_bench_saves_its_rows_as_it_goes(monkeypatch, tmp_path):
     """A bench run saves after each parameter sweep's dtype and mode and each models point's
     dtype (`_timed_rows`' checkpoint), every row stamped, so that a run stopped midway keeps
     what it timed: `_save_results` merges the rows so far over the earlier ones of the same
-    points, keeps earlier restamp notes, and writes the host extras only with the final save;
-    a save is whole or absent (no temporary file left)."""
+    points, keeps earlier restamp notes, and keeps the earlier run's host extras, marked as
+    such, until the final save brings this run's; a save is whole or absent (no temporary
+    file left)."""
     import rope_bench
     monkeypatch.setattr(rope_bench, "_run_sweep", lambda sweep, dtype, mode, results, _: results.append(
         dict(sweep=sweep, x=1, dtype=dtype, mode=mode, provider="triton", ms=1.0)))
@@ -5162,8 +5174,8 @@ def test_bench_saves_its_rows_as_it_goes(monkeypatch, tmp_path):
     rows = rope_bench._timed_rows(["seq_length", "models"], ["bf16", "fp32"], ["forward"],
                                   ["forward_kernel"], stamp, points,
                                   checkpoint=lambda r: saved.append([dict(x) for x in r]))
-    # two parameter parts, four models parts, and the end
-    assert [len(s) for s in saved] == [1, 2, 3, 4, 5, 6, 6]
+    # two parameter parts, then four models parts
+    assert [len(s) for s in saved] == [1, 2, 3, 4, 5, 6]
     assert all(r["device_code"] == "d1" and r["date"] == "today" for s in saved for r in s)
     assert saved[-1] == rows
 
@@ -5172,12 +5184,16 @@ def test_bench_saves_its_rows_as_it_goes(monkeypatch, tmp_path):
     kept = dict(old, x=2)
     note = [dict(kernel="k0", device_code="d0", rows=1, note="n", date="before")]
     env = {"GPU": "g", "Transformer Engine": "TE x"}
-    rope_bench._save_results(tmp_path, env, stamp, [old, kept], {"restamped": note}, rows[:1])
+    earlier = {"restamped": note, "extras": {"host overhead": "h0"}}
+    rope_bench._save_results(tmp_path, env, stamp, [old, kept], earlier, rows[:1])
     merged = json.loads((tmp_path / "results.json").read_text())
     assert sorted((r["x"], r["ms"]) for r in merged) == [(1, 1.0), (2, 9.0)]
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["restamped"] == note and "extras" not in run and run["device_code"] == "d1"
-    rope_bench._save_results(tmp_path, env, stamp, [old, kept], {"restamped": note}, rows,
+    assert run["restamped"] == note and run["device_code"] == "d1"
+    assert run["extras"] == {"host overhead": "h0" + rope_bench.EARLIER_EXTRAS}
+    rope_bench._save_results(tmp_path, env, stamp, [old, kept], run, rows[:1])     # marked once
+    assert json.loads((tmp_path / "run.json").read_text())["extras"] == run["extras"]
+    rope_bench._save_results(tmp_path, env, stamp, [old, kept], earlier, rows,
                              extras={"host overhead": "h"})
     assert len(json.loads((tmp_path / "results.json").read_text())) == len(rows) + 1
     assert json.loads((tmp_path / "run.json").read_text())["extras"] == {"host overhead": "h"}

@@ -582,7 +582,7 @@ def _run_models(dtype_names, modes, results, stamp, shrink=1, points=None, progr
     provider and mode its ms per call, and the ms of the faster device copy of the same bytes
     (one copy per pass; two for forward+backward). Inputs are built once per point and dtype
     and freed before the next. `progress` starts the line printed per point and dtype;
-    `point_done()`, if given, is called after each."""
+    `point_done()`, if given, is called after each point's dtype."""
     import gc
     points = points or MODEL_POINTS
     for j, point in enumerate(points, 1):
@@ -772,8 +772,9 @@ def _parser():
         epilog="Results go to artifacts/<gpu>/ (h100, h200, else the device name); a run merges its "
                "points into that folder's results.json and regenerates its summary, plots and "
                "results.html, and artifacts/SUMMARY.md.")
-    parser.add_argument("--sweeps", default=",".join(SWEEPS),
-                        help=f"comma-separated sweeps (default all: {','.join(SWEEPS)})")
+    parser.add_argument("--sweeps",
+                        help=f"comma-separated sweeps (default all: {','.join(SWEEPS)}; with "
+                             f"--points, models alone)")
     parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES),
                         help=f"comma-separated (default all: {','.join(BENCH_DTYPES)}); the parameter "
                              f"sweeps take {', '.join(DTYPE_NAMES)} of them, models all")
@@ -803,14 +804,18 @@ def _run_accuracy(path):
 def _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points=None, checkpoint=None):
     """Every requested sweep, dtype and mode, timed (the models sweep at `points`, default all):
     the result rows, each with `stamp`. `checkpoint(rows)`, if given, gets the rows so far
-    after each parameter sweep's dtype and mode and after each models point's dtype."""
+    (stamped) after each parameter sweep's dtype and mode and after each models point's
+    dtype."""
     results = []
 
-    def done_part():
+    def stamped():
         for r in results:
             r.update({k: v for k, v in stamp.items() if k not in r})
+        return results
+
+    def done_part():
         if checkpoint is not None:
-            checkpoint(results)
+            checkpoint(stamped())
     for i, sweep in enumerate(sweeps, 1):
         progress = f"[sweep {i}/{len(sweeps)}] {sweep}"
         if sweep != "models":
@@ -823,15 +828,21 @@ def _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points=None, checkpoi
                         point_done=done_part)
         else:
             print(f"{progress} skipped: none of its modes ({', '.join(MODEL_MODES)}) requested", flush=True)
-    done_part()
-    return results
+    return stamped()
+
+
+EARLIER_EXTRAS = " (of an earlier run: the last run stopped before measuring it)"
 
 
 def _save_results(out_dir, env, stamp, previous, previous_run, results, extras=None):
     """Merges `results` into out_dir's results.json, replacing the same points of earlier
     (partial) runs, and writes run.json: this run's environment and stamps, `extras` (the
-    host measurements taken at the end; left out of the saves of a run still timing), and the
-    restamp notes of earlier runs, whose rows this run did not replace and keep their stamps."""
+    host measurements taken at the end; until then the earlier run's, marked
+    EARLIER_EXTRAS), and the earlier runs' restamp notes (rows this run does not replace keep
+    their stamps)."""
+    if extras is None:
+        extras = {k: v if v.endswith(EARLIER_EXTRAS) else v + EARLIER_EXTRAS
+                  for k, v in previous_run.get("extras", {}).items()}
     fresh = {report.row_key(r) for r in results}
     merged = [r for r in previous if report.row_key(r) not in fresh] + results
     report.write_json(os.path.join(out_dir, "results.json"), merged)
@@ -841,6 +852,19 @@ def _save_results(out_dir, env, stamp, previous, previous_run, results, extras=N
                       {"environment": env} | ({"extras": extras} if extras else {})
                       | {"kernel": stamp["kernel"], "device_code": stamp["device_code"]}
                       | ({"restamped": restamped} if restamped else {}))
+
+
+def _requested(args):
+    """(sweeps, dtypes, modes, model modes, models points or None for all) of parsed
+    arguments; --points without --sweeps times those points alone."""
+    points = [report.MODEL_POINT_BY_NAME[n]
+              for n in _parse_list(args.points, report.MODEL_POINT_BY_NAME, "models points")]
+    default_sweeps = "models" if points else ",".join(SWEEPS)
+    sweeps = _parse_list(args.sweeps or default_sweeps, SWEEPS, "sweeps")
+    if points and "models" not in sweeps:
+        raise SystemExit("--points names models points: add models to --sweeps")
+    dtypes = _parse_list(args.dtypes, BENCH_DTYPES, "dtypes")
+    return sweeps, dtypes, *_parse_modes(args.modes), points or None
 
 
 def run_benchmarks(argv=None):
@@ -853,13 +877,7 @@ def run_benchmarks(argv=None):
     if args.accuracy:
         _run_accuracy(args.accuracy)
         return
-    sweeps = _parse_list(args.sweeps, SWEEPS, "sweeps")
-    dtypes = _parse_list(args.dtypes, BENCH_DTYPES, "dtypes")
-    modes, model_modes = _parse_modes(args.modes)
-    points = [report.MODEL_POINT_BY_NAME[n]
-              for n in _parse_list(args.points, report.MODEL_POINT_BY_NAME, "models points")]
-    if points and "models" not in sweeps:
-        raise SystemExit("--points names models points: add models to --sweeps")
+    sweeps, dtypes, modes, model_modes, points = _requested(args)
     if not ON_GPU:
         raise SystemExit("make bench needs a CUDA GPU (the Triton interpreter is for correctness, not timing)")
     started = time.perf_counter()
@@ -875,7 +893,7 @@ def run_benchmarks(argv=None):
     _warm_up()
     # Saved as the run goes: a run stopped midway keeps what it timed (`--summary-only` then
     # writes its summaries).
-    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points or None,
+    results = _timed_rows(sweeps, dtypes, modes, model_modes, stamp, points,
                           checkpoint=lambda rows: _save_results(out_dir, env, stamp, previous,
                                                                 previous_run, rows))
     extras = {"autograd overhead": _autograd_overhead(), "host overhead": _host_overhead()}

@@ -358,9 +358,13 @@ def write_json(path, value):
     """Writes `value` to `path` whole or not at all (through a temporary file beside it): a
     run stopped while saving keeps the file it had."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 TE_OF_KEPT_ROWS = "TE of the TE rows"

@@ -7,10 +7,10 @@ TRITON_INTERPRET, so that the kernel is a JIT function.
 a JSON list of `launch_record`s) and prints, per launch, `{"ok": true}` or the compiler's error.
 
 Per tile it prints one JSON line: the number of sin.approx in the PTX (PTX is one thread's code,
-so that is the sin/cos each thread computes), the global loads in the order of the SASS, for
-each loop of the SASS (a branch back to a label) its shared-memory stores (STS), the number of
-SASS instructions (NOPs left out) and of reciprocals (MUFU.RCP: an integer division by a runtime
-value takes one).
+so that is the sin/cos each thread computes), the global loads in the order of the SASS and their
+indices among its instructions, for each loop of the SASS (a branch back to a label) its
+shared-memory stores (STS), the number of SASS instructions (NOPs left out) and of reciprocals
+(MUFU.RCP: an integer division by a runtime value takes one).
 The arguments are those of a contiguous bf16 call (`example_arguments`), specialized as Triton
 specializes them (`signature`).
 """
@@ -152,7 +152,7 @@ def sass_stats(kernel):
                               check=True).stdout
     ops = [op for op in map(_opcode, _INSTRUCTION.findall(sass)) if op != "NOP"]
     return {"sin": len(re.findall(r"sin\.approx\.f32", kernel.asm["ptx"])),
-            "loads": re.findall(r"\bLDG\.[\w.]+", sass),
+            "loads": [op for op in ops if op.startswith("LDG.")],
             "load_at": [i for i, op in enumerate(ops) if op.startswith("LDG.")],
             "loop_shared_stores": loop_shared_stores(sass),
             "instructions": len(ops),
