@@ -10,8 +10,8 @@ the checkout itself. Run it alternately for the two trees (A B A B) on one machi
 the rows. Used for BATCH_OF_ONE / ANGLE_SCALE (`Variant`): the sbhd points of batch 1 whose
 tiles they change, the fused QKV, Hugging Face's view (bshd of batch 1) and a thd point as a
 control (its code unchanged); for the thd tile rules; and for where one-head tiles of TE's
-table check that both pair members share their angles (artifacts/tiles/). Without the peers on the path, only
-our two paths and the copies.
+table check that both pair members share their angles (artifacts/tiles/). Without the peers
+on the path, only our two paths and the copies.
 """
 import json
 import os
