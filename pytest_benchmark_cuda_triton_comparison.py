@@ -3987,6 +3987,26 @@ def test_one_head_table_tile_issues_its_table_loads_together():
         assert first_four[-1] - first_four[0] <= 24, result["load_at"]
 
 
+def test_thd_tiles_load_the_frequencies_before_the_search():
+    """Tiles of several heads of a packed batch with angles from positions load the pairs'
+    inverse frequencies before the search of cu_seqlens (`_tile_angles`), not after its chain
+    of dependent loads: the tiles of the packed models points (1 token x 16 heads, mixed and
+    lognormal lengths, forward and backward; 4 tokens x 8 heads, 2048 sequences of 64). The
+    frequencies' load is the tile's only 32-bit load without evict_last; fewer than half of the
+    search's loads (LDG.E.EL, cu_seqlens' entries) come before it (0-4 of 15-24 in Triton
+    3.5.1-3.9). Loaded inside the search's one-trip loop, all of them did."""
+    thd = dict(SEQ_MAJOR=False, IS_THD=True)
+    tiles = [dict(thd, BLOCK_T=1, BLOCK_H=16, FLAT_GRID=True, SEARCH_LEVELS=3, SEARCH_GUESS=True),
+             dict(thd, BLOCK_T=1, BLOCK_H=16, SEARCH_LEVELS=4, SEARCH_GUESS=True, BACKWARD=True),
+             dict(thd, BLOCK_T=4, BLOCK_H=8, SEARCH_LEVELS=6)]
+    for result in _compile_tiles(*tiles):
+        loads = list(zip(result["loads"], result["load_at"]))
+        (freqs_at,) = [at for op, at in loads if op == "LDG.E"]
+        search_at = [at for op, at in loads if op == "LDG.E.EL"]
+        assert len(search_at) >= 12, loads
+        assert sum(at < freqs_at for at in search_at) < len(search_at) / 2, loads
+
+
 def test_pipelined_tiles_compute_sin_cos_once_per_program():
     """In the software-pipelined backward of a norm (`_norm_backward_tiles`), where one-trip
     loops would keep Triton from pipelining, `_own_layout` keeps the angles from being
