@@ -4184,12 +4184,15 @@ def test_thd_tile_loads_are_issued_before_the_sequence_search():
     """A thd tile's own loads (16-byte vectors of bf16) come first in the SASS, ahead of the
     search of cu_seqlens for its tokens' sequences (loads evict_last), for angles from
     positions and from a table, with the guessed window (SEARCH_GUESS) or without. Without the
-    barrier after them, ptxas puts them after the whole chain of the search."""
+    barrier after them, ptxas puts them after the whole chain of the search. With angles from
+    positions the pairs' inverse frequencies (the one 32-bit load without evict_last) may come
+    between them (test_thd_tiles_load_the_frequencies_before_the_search)."""
     thd = dict(BLOCK_T=4, BLOCK_H=8, BLOCK_HALF=32, IS_THD=True, SEARCH_LEVELS=6)
     table = dict(thd, ANGLES_FROM_POSITIONS=False)
     for tile in _compile_tiles(thd, table, dict(table, SEARCH_GUESS=True),
                                dict(thd, BLOCK_T=1, BLOCK_H=32, SEARCH_GUESS=True)):
-        assert tile["loads"][:3] == ["LDG.E.128", "LDG.E.128", "LDG.E.EL"], tile["loads"]
+        tile_and_search = [op for op in tile["loads"] if op != "LDG.E"]
+        assert tile_and_search[:3] == ["LDG.E.128", "LDG.E.128", "LDG.E.EL"], tile["loads"]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter launches through Triton's JIT only")
