@@ -3994,7 +3994,7 @@ def test_thd_tiles_load_the_frequencies_before_the_search():
     lognormal lengths, forward and backward; 4 tokens x 8 heads, 2048 sequences of 64). The
     frequencies' load is the tile's only 32-bit load without evict_last; fewer than half of the
     search's loads (LDG.E.EL, cu_seqlens' entries) come before it (0-4 of 15-24 in Triton
-    3.5.1-3.9). Loaded inside the search's one-trip loop, all of them did."""
+    3.5.1-3.9). Loaded inside the angles' one-trip loop, after the search's, all of them did."""
     thd = dict(SEQ_MAJOR=False, IS_THD=True)
     tiles = [dict(thd, BLOCK_T=1, BLOCK_H=16, FLAT_GRID=True, SEARCH_LEVELS=3, SEARCH_GUESS=True),
              dict(thd, BLOCK_T=1, BLOCK_H=16, SEARCH_LEVELS=4, SEARCH_GUESS=True, BACKWARD=True),
