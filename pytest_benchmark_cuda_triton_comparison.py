@@ -330,6 +330,10 @@ def test_matches_textbook_rotation(interleaved, cp_size, cp_rank):
         expected = torch.cat((rotated.real, rotated.imag), dim=-1)
     torch.testing.assert_close(out[..., :d2].double(), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[..., d2:], t[..., d2:])
+    # The tiles take cp_size as a compile-time 1 unless it is more (CONTEXT_PARALLEL).
+    _, plan = set_rotary_kernel(t, freqs, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank,
+                                return_plan=True)
+    assert plan.launch.cfg.CONTEXT_PARALLEL == (cp_size > 1)
 
 
 GRADCHECK_CASES = [
@@ -917,7 +921,7 @@ def test_thd_norm_backward_reads_positions_from_a_pre_pass(name):
     cp_size, cp_rank = kwargs.get("cp_size", 1), kwargs.get("cp_rank", 0)
     shape = L.check_rope_args(t, module, "thd", kwargs.get("start_positions"), kwargs["cu_seqlens"],
                               cp_size, cp_rank)
-    launch = L._sequence_positions_launch(shape, "start_positions" in kwargs)
+    launch = L._sequence_positions_launch(shape, "start_positions" in kwargs, cp_size)
     found = torch.full((tokens,), 7, dtype=torch.int64, device=DEVICE)
     launch((None, (0, 0, 0), kwargs.get("start_positions"), kwargs["cu_seqlens"]), found,
            shape.num_tokens, shape.seq_len, shape.batch, cp_size, cp_rank)
@@ -3970,21 +3974,67 @@ def test_batch_of_one_saves_instructions():
     assert one["instructions"] < any_batch["instructions"], (one, any_batch)
 
 
+def test_tiles_without_context_parallelism_fold_cp_size_away():
+    """Without context parallelism (CONTEXT_PARALLEL off, cp_size 1) a tile has none of its
+    arithmetic, which it would otherwise run whatever cp_size is (ptxas selects between the
+    rank's position split and the plain position rather than branch): the thd tile (4 tokens
+    x 8 heads, 2048 sequences) without the division of its sequences' ends by cp_size (one
+    reciprocal fewer), both tiles with fewer instructions (Triton 3.6: thd 940 -> 814, the sbhd
+    tile of 2 tokens x 8 heads of a batch of one 220 -> 183)."""
+    thd = dict(BLOCK_T=4, BLOCK_H=8, SEQ_MAJOR=False, IS_THD=True, SEARCH_LEVELS=6)
+    sbhd = dict(BLOCK_T=2, BLOCK_H=8, BATCH_OF_ONE=True)
+    thd_cp, thd_one, sbhd_cp, sbhd_one = _compile_tiles(
+        dict(thd, CONTEXT_PARALLEL=True), thd, dict(sbhd, CONTEXT_PARALLEL=True), sbhd)
+    assert thd_one["rcp"] < thd_cp["rcp"], (thd_one, thd_cp)
+    assert thd_one["instructions"] < thd_cp["instructions"], (thd_one, thd_cp)
+    assert sbhd_one["instructions"] < sbhd_cp["instructions"], (sbhd_one, sbhd_cp)
+
+
 def test_one_head_table_tile_issues_its_table_loads_together():
     """In a one-head tile of TE's table the check that both members of each pair share their
     angles comes before any sin/cos (`_rotation_from_table`), so that ptxas issues the table's
     loads together instead of one per sin/cos: MLA's key tile (32 tokens x 32 interleaved
     pairs, a batch of one, bf16, 4 warps) loads 8 KiB of angles, four 16-byte loads per
     thread, and 4 KiB of the tensor, two, forward and backward: the first four of its six
-    loads lie within 24 instructions (13 in Triton 3.5.1-3.9). With the sin/cos of the first
-    members before the check they lay 183-222 apart (in 3.6 all six at 110-395, with the check
-    first at 153-216)."""
+    loads lie within 48 instructions (12-17 in Triton 3.5.1-3.7.1, 31-39 in 3.9). With the
+    sin/cos of the first members before the check they lay 183-222 apart (in 3.6 all six at
+    110-395, with the check first at 153-216)."""
     tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True, ANGLES_FROM_POSITIONS=False,
                 BATCH_OF_ONE=True)
     for result in _compile_tiles(tile, dict(tile, BACKWARD=True)):
         assert result["loads"] == ["LDG.E.128"] * 6, result["loads"]
         first_four = result["load_at"][:4]
-        assert first_four[-1] - first_four[0] <= 24, result["load_at"]
+        assert first_four[-1] - first_four[0] <= 48, result["load_at"]
+
+
+def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_path):
+    """sbhd tiles with positions from the token's index issue all their loads before the first
+    sin/cos (MUFU.SIN/COS), which waits for the frequencies' load: the barrier after the tile's
+    loads in `_rope_tile` keeps ptxas from issuing the frequencies' load first and the tile's
+    last loads only after the sin/cos of the first. The launches the GPU rule plans on an H200
+    (132 SMs) for MLA's key (a batch of one, 131072 tokens x 1 head x 32 interleaved pairs,
+    bf16, forward) and quarter rotary's backward (8192 tokens x 32 heads, 16 of d 128's 64
+    pairs); without the barrier (Triton 3.6 and 3.9) one of MLA's three loads and two of
+    quarter rotary's five came after the first sin/cos."""
+    L = triton_rotary_launch
+    records = []
+    monkeypatch.setattr(L._Launch, "__call__",
+                        lambda launch, *args: records.append(_launch_record(launch, args)))
+    monkeypatch.setattr(L, "_sm_count", lambda device: 132)
+    bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
+    with L.use_launch_rule(L.GPU_RULE):
+        set_rotary_kernel(torch.randn(131072, 1, 1, 64, **bf16),
+                          RotaryPositionEmbedding(64, interleaved=True, device=DEVICE),
+                          interleaved=True)
+        set_rotary_kernel(torch.randn(8192, 1, 32, 128, **bf16),
+                          RotaryPositionEmbedding(128, 0.25, device=DEVICE), backward=True)
+    assert [r["kernel"] for r in records] == ["rotary_kernel"] * 2, records
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(records))
+    for name, result in zip(("MLA's key", "quarter rotary, backward"),
+                            _run_probe("--launch-stats", str(path))):
+        assert len(result["load_at"]) >= 3 and result["sincos_at"], (name, result)
+        assert max(result["load_at"]) < min(result["sincos_at"]), (name, result)
 
 
 def test_thd_tiles_load_the_frequencies_before_the_search():

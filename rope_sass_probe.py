@@ -4,7 +4,8 @@ DEFAULT_TILE. No GPU is needed (Triton's own ptxas and nvdisasm). Run it in a pr
 TRITON_INTERPRET, so that the kernel is a JIT function.
 
 `python rope_sass_probe.py --launches FILE` compiles launches the launcher planned instead (FILE:
-a JSON list of `launch_record`s) and prints, per launch, `{"ok": true}` or the compiler's error.
+a JSON list of `launch_record`s) and prints, per launch, `{"ok": true}` or the compiler's error;
+`--launch-stats FILE` prints each launch's `sass_stats`.
 
 Per tile it prints one JSON line: the number of sin.approx in the PTX (PTX is one thread's code,
 so that is the sin/cos each thread computes), the global loads in the order of the SASS and their
@@ -141,7 +142,8 @@ def compile_tile(tile):
 
 def sass_stats(kernel):
     """{"sin": sin.approx count in the PTX, "loads": the SASS's global loads in order,
-    "load_at": their indices among the instructions, "loop_shared_stores": `loop_shared_stores`
+    "load_at": their indices among the instructions, "sincos_at": those of its MUFU.SIN and
+    MUFU.COS, "loop_shared_stores": `loop_shared_stores`
     of the SASS, "instructions": its instructions but NOPs, "rcp": its MUFU.RCP} of a kernel
     that triton.compile returned."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -155,6 +157,7 @@ def sass_stats(kernel):
             "loads": [op for op in ops if op.startswith("LDG.")],
             "load_at": [i for i, op in enumerate(ops) if op.startswith("LDG.")],
             "loop_shared_stores": loop_shared_stores(sass),
+            "sincos_at": [i for i, op in enumerate(ops) if op in ("MUFU.SIN", "MUFU.COS")],
             "instructions": len(ops),
             "rcp": ops.count("MUFU.RCP")}
 
@@ -199,7 +202,11 @@ def compile_launch(record):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--launches"]:
+    if sys.argv[1:2] == ["--launch-stats"]:
+        with open(sys.argv[2]) as f:
+            for record in json.load(f):
+                print(json.dumps(sass_stats(compile_launch(record))), flush=True)
+    elif sys.argv[1:2] == ["--launches"]:
         with open(sys.argv[2]) as f:
             for record in json.load(f):
                 try:

@@ -1488,7 +1488,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     positions_pass = None
     if searches and (norm_backward or (qk_norm and rule.qk_norm_positions_pass)):
         # positions from a pre-pass (SEQUENCE_POSITIONS_BLOCK, QK_NORM_POSITIONS_PASS)
-        positions_pass = _sequence_positions_launch(shape, start_positions is not None)
+        positions_pass = _sequence_positions_launch(shape, start_positions is not None, cp_size)
         searches = False
     # A norm covers every channel: a row of its tile is the whole head, and the channels past
     # rotary_dim are written in place too.
@@ -1558,7 +1558,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                                                             few_head_pairs)),
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, source,
                                                    norm_backward, searches),
-                  BATCH_OF_ONE=not is_thd and shape.batch == 1)
+                  BATCH_OF_ONE=not is_thd and shape.batch == 1, CONTEXT_PARALLEL=cp_size > 1)
     if k is None:
         launch = _Launch(rotary_kernel, (View, View, Angles, Positions, HeadShape, Norm), grid,
                          cfg, num_warps, _max_registers(rule, cfg))
@@ -1607,12 +1607,12 @@ def check_qk_norms(q, k, q_norm, k_norm):
             check_norm(norm, x, x.shape[-2], x.shape[-1], prefix=f"{name}_norm_")
 
 
-def _sequence_positions_launch(shape, has_start):
+def _sequence_positions_launch(shape, has_start, cp_size):
     """The launch of sequence_positions_kernel for a thd call (SEQUENCE_POSITIONS_BLOCK says
     why)."""
     block = min(SEQUENCE_POSITIONS_BLOCK, triton.next_power_of_2(shape.num_tokens))
     cfg = PositionsTile(BLOCK_T=block, HAS_START=has_start,
-                        SEARCH_LEVELS=_search_levels(shape.batch))
+                        SEARCH_LEVELS=_search_levels(shape.batch), CONTEXT_PARALLEL=cp_size > 1)
     return _Launch(sequence_positions_kernel, (Positions,),
                    (triton.cdiv(shape.num_tokens, block), 1), cfg, NUM_WARPS)
 
@@ -2183,7 +2183,7 @@ def _make_qkv_plan(qkv, q_source, k_source, split, tensor_format, start_position
                   NORM=NO_NORM.value if q_norm is None else NORM_OVER_HEAD.value,
                   PIPELINE_STAGES=_pipeline_stages(rule.norm_pipeline_stages, q_source,
                                                    norm_backward, False),
-                  BATCH_OF_ONE=shape.batch == 1)
+                  BATCH_OF_ONE=shape.batch == 1, CONTEXT_PARALLEL=cp_size > 1)
     input_strides = ()
     if norm_backward:
         input_strides = tuple((*_seq_batch_strides(x, tensor_format), *x.stride()[2:])
