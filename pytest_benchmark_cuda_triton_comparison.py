@@ -96,7 +96,14 @@ from rope_test_support import (
     unfused_reference,
 )
 from te_comparator import load_te_rope
-from triton_rotary_kernel import Tokens, Variant, _guessed_sequences, _program_tokens, _tile_sequences
+from triton_rotary_kernel import (
+    Tokens,
+    Variant,
+    _checked_sequence_guess,
+    _guessed_sequences,
+    _program_tokens,
+    _tile_sequences,
+)
 from triton_rotary_launch import set_rotary_kernel
 from triton_rotary_main import (
     RotaryPositionEmbedding,
@@ -2317,6 +2324,8 @@ _QK_CASES = {
     "thd, tokens outside sequences": ((15, 4, 32), (15, 1, 32), "thd", "table",
                                       {"cu_seqlens": [2, 7, 7, 13]}),
     "thd positions": ((15, 4, 32), (15, 2, 32), "thd", "module", {"positions": list(range(15))}),
+    "thd, cp rank 1 of 2": ((16, 4, 32), (16, 1, 32), "thd", "module",
+                            {"cu_seqlens": [0, 8, 20, 32], "cp_size": 2, "cp_rank": 1}),
     "M-RoPE": ((6, 2, 4, 32), (6, 2, 1, 32), "sbhd", "mrope", {"positions": "axes"}),
 }
 
@@ -2403,6 +2412,10 @@ _QK_NORM_CASES = {
                                                        # one each way (QK_NORM_POSITIONS_PASS)
                                                        "sequence_positions_kernel": 2,
                                                        "weight_gradient_kernel": 1}),
+    "thd, cp rank 1 of 2": ((16, 4, 32), (16, 1, 32), "thd", "module",
+                            {"cu_seqlens": [0, 8, 20, 32], "cp_size": 2, "cp_rank": 1}, "head",
+                            {"rotary_qk_kernel": 2, "sequence_positions_kernel": 2,
+                             "weight_gradient_kernel": 1}),
     "k has more heads, interleaved, inverse": ((6, 2, 3, 32), (6, 2, 5, 32), "sbhd", "interleaved",
                                                {"inverse": True}, "head",
                                                {"rotary_qk_kernel": 2, "weight_gradient_kernel": 1}),
@@ -3751,6 +3764,18 @@ def _guessed_sequences_probe(cu_seqlens, FOUND, SEQ, SEQ_START, SEQ_END, num_tok
     tl.store(SEQ_END + tok, seq_end, mask=ok)
 
 
+@triton.jit
+def _checked_sequence_guess_probe(cu_seqlens, HIT, GUESS, num_tokens, num_seqs, cp_size,
+                                  BLOCK_T: tl.constexpr):
+    """`_checked_sequence_guess` alone for tiles of BLOCK_T tokens: per tile, whether the
+    check held and the guess."""
+    first_tok = tl.program_id(0) * BLOCK_T
+    hit, g = _checked_sequence_guess(cu_seqlens, first_tok, (first_tok + 1).to(tl.int64) * cp_size,
+                                     num_seqs, num_tokens)
+    tl.store(HIT + tl.program_id(0), hit)
+    tl.store(GUESS + tl.program_id(0), g)
+
+
 def _lengths_cu(lengths, start=0):
     return list(itertools.accumulate(lengths, initial=start))
 
@@ -3845,6 +3870,35 @@ def test_guessed_sequences_are_right_where_found(case):
         assert not found.all()
     tokens = found.repeat_interleave(block_t)[:num_tokens].bool()
     _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected, tokens)
+
+
+@pytest.mark.parametrize("case", ["long sequences", "one-token sequences, 64-token tiles",
+                                  "one length, context parallel", "skewed lengths",
+                                  "tokens before and after", "short and empty sequences"])
+def test_checked_sequence_guess(case):
+    """`_searched_sequences` takes the first token's sequence from `_checked_sequence_guess`
+    where its check holds: at every tile where sequences are of one length (with context
+    parallelism too), at some tiles otherwise; and wherever the check holds the guess is
+    searchsorted's sequence of the tile's first token, so a hit never needs the search."""
+    cu, past_end, cp_size, block_t = {
+        **_TILE_SEARCH_CASES,
+        "one length, context parallel": (_lengths_cu([16] * 12), 0, 2, 4)}[case]
+    num_tokens, num_seqs = cu[-1] // cp_size + past_end, len(cu) - 1
+    tiles = triton.cdiv(num_tokens, block_t)
+    hit, guess = (torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    _checked_sequence_guess_probe[(tiles,)](cu_seqlens, hit, guess, num_tokens, num_seqs, cp_size,
+                                            block_t)
+    hit, guess = hit.cpu(), guess.cpu().long()
+    assert set(hit.tolist()) <= {0, 1}
+    if case in ("long sequences", "one-token sequences, 64-token tiles", "one length, context parallel"):
+        assert hit.all(), hit
+    else:
+        assert not hit.all() and hit.any(), hit
+    first = torch.arange(tiles) * block_t
+    local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
+    expected = (torch.searchsorted(local_cu, first, right=True) - 1).clamp(min=0)
+    assert guess[hit.bool()].tolist() == expected[hit.bool()].tolist()
 
 
 @pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
@@ -4015,7 +4069,8 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
     (132 SMs) for MLA's key (a batch of one, 131072 tokens x 1 head x 32 interleaved pairs,
     bf16, forward) and quarter rotary's backward (8192 tokens x 32 heads, 16 of d 128's 64
     pairs); without the barrier (Triton 3.6 and 3.9) one of MLA's three loads and two of
-    quarter rotary's five came after the first sin/cos."""
+    quarter rotary's five come after the first sin/cos (MLA's by 3 and 1 instructions: a
+    narrow margin, which a ptxas that schedules otherwise could close)."""
     L = triton_rotary_launch
     records = []
     monkeypatch.setattr(L._Launch, "__call__",

@@ -414,7 +414,7 @@ class PositionsTile(NamedTuple):
     HAS_START: bool
     SEARCH_LEVELS: int
     IS_THD: bool = True
-    SEARCH_GUESS: bool = False  # off: the pre-pass always searches (the window not measured there)
+    SEARCH_GUESS: bool = False  # off: the pre-pass never reads the guessed window (not measured there)
     CONTEXT_PARALLEL: bool = False  # as Variant's
 
 
@@ -613,19 +613,20 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
         # Not run on the H100.
         tl.debug_barrier()
     elif (cfg.ANGLES_FROM_POSITIONS and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS
-          and not cfg.IS_THD and cfg.NORM == NO_NORM and cfg.BLOCK_KV == 0):
-        # With positions worked out from the token's index and no context parallelism
-        # (CONTEXT_PARALLEL off), nothing but the tile's own index comes before the loads, and
-        # ptxas issues the frequencies' load and the tile's first load at once, then the sin/cos
-        # that wait for the frequencies, and only then the tile's other loads (Triton 3.6,
-        # sm_90: MLA's key tile loads at instructions 20, 40 and 74, its first sin at 71). The
-        # barrier keeps all of the tile's loads ahead of the frequencies' (52-55). H200, kernels
-        # alone, 16-bit, against the same code without it (artifacts/tiles/context_parallel_ab_
-        # h200.log, run 3): MLA's key +0.012 to +0.016 of copy speed, Llama 3 8B's +0.010 to
-        # +0.013, the TP 8 keys +0.005 to +0.011, quarter rotary's backward +0.024; 30 of 72
-        # rows up by more than 0.005, one down (-0.007). Fused QKV, whose tiles it slowed, and
-        # the tiles of a norm or of given positions (not measured) go without. Not run on the
-        # H100.
+          and not cfg.IS_THD and not cfg.CONTEXT_PARALLEL and cfg.NORM == NO_NORM
+          and cfg.BLOCK_KV == 0):
+        # With positions worked out from the token's index and no context parallelism,
+        # nothing but the tile's own index comes before the loads, and ptxas issues the
+        # frequencies' load and the tile's first load at once, then the sin/cos that wait for
+        # the frequencies, and only then the tile's other loads (Triton 3.6, sm_90: MLA's key
+        # tile loads at SASS instructions 20, 40 and 74, its first sin at 71; with the barrier
+        # its three loads are at 52-55). H200, kernels alone, 16-bit, against the same code
+        # without it (artifacts/tiles/context_parallel_ab_h200.log, run 3, GCB - GC): MLA's
+        # key +0.012 to +0.016 of copy speed, Llama 3 8B's +0.010 to +0.013, the TP 8 keys
+        # +0.005 to +0.011, quarter rotary's backward +0.024; one row of 72 down by more than
+        # 0.005 (-0.007). Fused QKV goes without (it costs its tiles 0.003-0.012), and so do
+        # tiles with context parallelism, a norm or given positions (not measured). Not run
+        # on the H100.
         tl.debug_barrier()
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
                               shape.rotary_dim, freqs, compute_dtype, BLOCK_H > 1, cfg)
@@ -1082,9 +1083,10 @@ def _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, c
     in_seq = tok >= 0
     num_seqs, cp_rank = tokens.batch, tokens.cp_rank
     # Without context parallelism cp_size is the constant 1: its products, divisions and
-    # branch fold away at compile time. Taken at run time they cost every tile about 35 SASS
-    # instructions a warp even at cp_size 1, for ptxas selects between the branch's results
-    # rather than branching.
+    # branch fold away at compile time. Taken at run time they cost every tile instructions
+    # even at cp_size 1, for ptxas selects between the branch's results rather than branching
+    # (Triton 3.6: 37 of the 220 SASS instructions of an sbhd tile of 2 tokens x 8 heads, 126
+    # of the 940 of a thd tile of 4 x 8).
     cp_size = tokens.cp_size if cfg.CONTEXT_PARALLEL else 1
     # int64 from here on: with a long (e.g. expanded) freqs table, start positions and the
     # context-parallel offsets can pass 2^31.
@@ -1188,31 +1190,22 @@ def _searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens,
                         SEARCH_LEVELS: tl.constexpr):
     """`_tile_sequences`' answer by search.
 
-    The tile's first token's sequence is guessed and checked, or where the check fails
-    searched once for the whole program (uniform loads, one vector of cu_seqlens per step);
-    the others lie in the TILE_SCAN - 1 sequences after it, read as one vector, unless the
-    tile crosses TILE_SCAN - 2 sequence ends or more (many empty or very short sequences):
-    then each token is searched on its own
-    (`_token_sequences`). cu_seqlens is non-decreasing; were it not, every index is still
-    in [0, num_seqs] (a wrong but in-bounds sequence), never a read outside it. Its entries
-    are loaded evict_last: every program reads them, between streaming loads of the tile
-    that would push them out."""
+    The tile's first token's sequence is guessed and checked (`_checked_sequence_guess`), or
+    where the check fails searched once for the whole program (uniform loads, one vector of
+    cu_seqlens per step); the others lie in the TILE_SCAN - 1 sequences after it, read as
+    one vector, unless the tile crosses TILE_SCAN - 2 sequence ends or more (many empty or
+    very short sequences): then each token is searched on its own (`_token_sequences`).
+    cu_seqlens is non-decreasing; were it not, every index is still in [0, num_seqs] (a
+    wrong but in-bounds sequence), never a read outside it. Its entries are loaded
+    evict_last: every program reads them, between streaming loads of the tile that would
+    push them out."""
     first_next = (first_tok + 1).to(tl.int64) * cp_size
-    # Were every sequence of one length, the first token's would be g = its index times
-    # num_seqs / num_tokens (taken at the token's middle, + 0.5, so that float rounding cannot
-    # put a sequence's first token in the one before). Two loads check it: cu[g] < first_next
-    # <= cu[g + 1] makes g the answer whatever the lengths; only where that fails is it
-    # searched. On one H200 this took packed batches of one length from 0.948-0.960 of copy
-    # speed to 0.953-0.968 (positions path, 16-bit) and moved no other models point by more
-    # than 0.006 (artifacts/tiles/context_parallel_ab_h200.log, run 2).
-    g = ((first_tok.to(tl.float32) + 0.5) * (num_seqs.to(tl.float32) / num_tokens.to(tl.float32))
-         ).to(tl.int32)
-    g = tl.minimum(tl.maximum(g, 0), num_seqs - 1)
-    g_start = tl.load(cu_seqlens + g, eviction_policy="evict_last")
-    g_end = tl.load(cu_seqlens + g + 1, eviction_policy="evict_last")
-    if (g_start < first_next) & (g_end >= first_next):
-        first = g
-    else:
+    # On one H200 the checked guess gains 0.004-0.011 of copy speed at packed batches of one
+    # length (0.947-0.960 without it; positions path, 16-bit) and moves no other models point
+    # by more than 0.006 (artifacts/tiles/context_parallel_ab_h200.log, run 2).
+    hit, first = _checked_sequence_guess(cu_seqlens, first_tok, first_next, num_seqs,
+                                         num_tokens)
+    if hit == 0:
         first = _first_sequence(cu_seqlens, first_next, num_seqs, SEARCH_LEVELS)
     j = tl.arange(0, TILE_SCAN)
     # cu[first + j], clamped to cu[num_seqs] past the end: entry j + 1 is then the end of
@@ -1232,6 +1225,22 @@ def _searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens,
         seq_end = tl.load(cu_seqlens + tl.minimum(seq + 1, num_seqs),
                           eviction_policy="evict_last")
     return seq, seq_start, seq_end
+
+
+@triton.jit
+def _checked_sequence_guess(cu_seqlens, first_tok, first_next, num_seqs, num_tokens):
+    """(hit, g): g is the first token's sequence were every sequence of one length, its index
+    times num_seqs / num_tokens, taken at the token's middle (+ 0.5) so that float32 rounding
+    cannot put a sequence's first token in the one before (below about 2^22 tokens; past
+    that a miss only costs the search). hit (int32, 0 or 1): cu[g] < first_next <= cu[g + 1],
+    which makes g `_first_sequence`'s answer whatever the lengths. Two loads, both inside
+    cu_seqlens (num_seqs >= 1)."""
+    g = ((first_tok.to(tl.float32) + 0.5) * (num_seqs.to(tl.float32) / num_tokens.to(tl.float32))
+         ).to(tl.int32)
+    g = tl.minimum(tl.maximum(g, 0), num_seqs - 1)
+    g_start = tl.load(cu_seqlens + g, eviction_policy="evict_last")
+    g_end = tl.load(cu_seqlens + g + 1, eviction_policy="evict_last")
+    return ((g_start < first_next) & (g_end >= first_next)).to(tl.int32), g
 
 
 @triton.jit
