@@ -4064,7 +4064,7 @@ def test_one_head_table_tile_issues_its_table_loads_together():
 def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_path):
     """sbhd tiles with positions from the token's index issue all their loads before the first
     sin/cos (MUFU.SIN/COS), which waits for the frequencies' load: the barrier after the tile's
-    loads in `_rope_tile` keeps ptxas from issuing the frequencies' load first and the tile's
+    loads in `_tile_rotation` keeps ptxas from issuing the frequencies' load first and the tile's
     last loads only after the sin/cos of the first. The launches the GPU rule plans on an H200
     (132 SMs) for MLA's key (a batch of one, 131072 tokens x 1 head x 32 interleaved pairs,
     bf16, forward) and quarter rotary's backward (8192 tokens x 32 heads, 16 of d 128's 64

@@ -598,36 +598,6 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
                           batch_idx, norm, weights, cfg)
     BLOCK_H: tl.constexpr = heads.shape[0]
     compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
-    if (cfg.NORM == NORM_OVER_HEAD and cfg.BACKWARD and not cfg.ANGLES_FROM_POSITIONS
-            and cfg.PIPELINE_STAGES == 0 and cfg.BLOCK_T == 1):
-        # In the token loop of a norm's backward with TE's table, ptxas may schedule a
-        # one-token tile's table loads first and their sin/cos before the tile's own loads
-        # (Triton 3.6, sm_90, Qwen3's and Gemma 3's tiles of 8 heads with BATCH_OF_ONE; the
-        # table loads first under 3.5.1 and 3.9 too): every trip then waits out two load
-        # latencies, one after the other. The barrier keeps the tile's loads ahead of the
-        # table's (it waits for no load's data). Kernels alone, bf16, 16K tokens, q and k in
-        # one call, in copies of q and k, H200 (artifacts/qknorm/norm_backward_load_order_ab_
-        # h200.log): Qwen3-8B 1.92 -> 1.78, Qwen3-32B 1.92 -> 1.78, Gemma 3 2.08 -> 1.88.
-        # Only here: in every table norm backward it cost TP 8's key (one head, 8 tokens a
-        # tile) 35% and OLMo 2's norm over the token 4%, tiles ptxas had ordered well.
-        # Not run on the H100.
-        tl.debug_barrier()
-    elif (cfg.ANGLES_FROM_POSITIONS and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS
-          and not cfg.IS_THD and not cfg.CONTEXT_PARALLEL and cfg.NORM == NO_NORM
-          and cfg.BLOCK_KV == 0):
-        # With positions worked out from the token's index and no context parallelism,
-        # nothing but the tile's own index comes before the loads, and ptxas issues the
-        # frequencies' load and the tile's first load at once, then the sin/cos that wait for
-        # the frequencies, and only then the tile's other loads (Triton 3.6, sm_90: MLA's key
-        # tile loads at SASS instructions 20, 40 and 74, its first sin at 71; with the barrier
-        # its three loads are at 52-55). H200, kernels alone, 16-bit, against the same code
-        # without it (artifacts/tiles/context_parallel_ab_h200.log, run 3, GCB - GC): MLA's
-        # key +0.012 to +0.016 of copy speed, Llama 3 8B's +0.010 to +0.013, the TP 8 keys
-        # +0.005 to +0.011, quarter rotary's backward +0.024; one row of 72 down by more than
-        # 0.005 (-0.007). Fused QKV goes without (it costs its tiles 0.003-0.012), and so do
-        # tiles with context parallelism, a norm or given positions (not measured). Not run
-        # on the H100.
-        tl.debug_barrier()
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
                               shape.rotary_dim, freqs, compute_dtype, BLOCK_H > 1, cfg)
     return _rotate_and_store(inputs, rotation, norm, cfg)
@@ -737,12 +707,45 @@ def _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens
                    freqs, compute_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
     """(in_seq, cos1, cos2, sin_a, sin_b) of a tile's tokens, cos and sin [T, 1, K] as the
     rotation takes them (`_rotate_and_store`), after its loads are issued; SHARED as
-    `_tile_angles` has it."""
+    `_tile_angles` has it.
+
+    Where ptxas would move the tile's loads behind what the angles load or wait for, a
+    `tl.debug_barrier()` here keeps them ahead (it waits for no load's data); in the other
+    tiles it costs time or was not measured, so it goes only where a case below says
+    (docs/design.md)."""
+    if (cfg.NORM == NORM_OVER_HEAD and cfg.BACKWARD and not cfg.ANGLES_FROM_POSITIONS
+            and cfg.PIPELINE_STAGES == 0 and cfg.BLOCK_T == 1):
+        # In the token loop of a norm's backward with TE's table, ptxas may schedule a
+        # one-token tile's table loads first and their sin/cos before the tile's own loads
+        # (Triton 3.6, sm_90, Qwen3's and Gemma 3's tiles of 8 heads with BATCH_OF_ONE; the
+        # table loads first under 3.5.1 and 3.9 too): every trip then waits out two load
+        # latencies, one after the other. The barrier keeps the tile's loads ahead of the
+        # table's. Kernels alone, bf16, 16K tokens, q and k in
+        # one call, in copies of q and k, H200 (artifacts/qknorm/norm_backward_load_order_ab_
+        # h200.log): Qwen3-8B 1.92 -> 1.78, Qwen3-32B 1.92 -> 1.78, Gemma 3 2.08 -> 1.88.
+        # Only here: in every table norm backward it cost TP 8's key (one head, 8 tokens a
+        # tile) 35% and OLMo 2's norm over the token 4%, tiles ptxas had ordered well.
+        # Not run on the H100.
+        tl.debug_barrier()
+    elif (cfg.ANGLES_FROM_POSITIONS and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS
+          and not cfg.IS_THD and not cfg.CONTEXT_PARALLEL and cfg.NORM == NO_NORM
+          and cfg.BLOCK_KV == 0):
+        # With positions worked out from the token's index and no context parallelism,
+        # nothing but the tile's own index comes before the loads, and ptxas issues the
+        # frequencies' load and the tile's first load at once, then the sin/cos that wait for
+        # the frequencies, and only then the tile's other loads (Triton 3.6, sm_90: MLA's key
+        # tile loads at SASS instructions 20, 40 and 74, its first sin at 71; with the barrier
+        # its three loads are at 52-55). H200, kernels alone, 16-bit, against the same code
+        # without it (artifacts/tiles/context_parallel_ab_h200.log, run 3, GCB - GC): MLA's
+        # key +0.012 to +0.016 of copy speed, Llama 3 8B's +0.010 to +0.013, the TP 8 keys
+        # +0.005 to +0.011, quarter rotary's backward +0.024; one row of 72 down by more than
+        # 0.005 (-0.007). Fused QKV goes without (it costs its tiles 0.003-0.012), and so do
+        # q+k pair tiles (BLOCK_KV marks both) and tiles with context parallelism, a norm or
+        # given positions (not measured). Not run on the H100.
+        tl.debug_barrier()
     if cfg.IS_THD and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS:
         # ptxas issues the loads of the search for the tokens' sequences (a chain of
-        # dependent loads) first and the tile's loads only after the whole chain. The
-        # barrier keeps the tile's loads ahead (it waits for no load's data). Only here: ahead
-        # of positions or a table, it slows the tile (docs/design.md).
+        # dependent loads) first and the tile's loads only after the whole chain.
         tl.debug_barrier()
     # Positions and cos/sin depend on the token (and pair) only: worked out once for the
     # tile's tokens and shared by its heads.
