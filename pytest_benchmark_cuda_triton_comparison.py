@@ -3795,12 +3795,14 @@ _TILE_SEARCH_CASES = {
     "skewed lengths": (_lengths_cu([1] * 100 + [1000] + [1] * 100), 0, 1, 8),
     # one length, but a tile spans more sequences than the window holds past the guess
     "one-token sequences, 64-token tiles": (_lengths_cu([1] * 200), 0, 1, 64),
+    "one length, context parallel": (_lengths_cu([16] * 12), 0, 2, 4),
 }
 # Cases whose every tile's sequences lie in `_guessed_sequences`' window (fewer sequences
 # than the window, or lengths close enough to even and tiles spanning few of them), and cases
 # where some do not.
 _GUESS_FINDS_ALL = {"long sequences", "one-token tiles", "short and empty sequences",
-                    "tokens before and after", "context parallel", "5000 sequences"}
+                    "tokens before and after", "context parallel", "5000 sequences",
+                    "one length, context parallel"}
 _GUESS_MISSES_SOME = {"skewed lengths", "one-token sequences, 64-token tiles"}
 
 
@@ -3872,33 +3874,26 @@ def test_guessed_sequences_are_right_where_found(case):
     _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected, tokens)
 
 
-@pytest.mark.parametrize("case", ["long sequences", "one-token sequences, 64-token tiles",
-                                  "one length, context parallel", "skewed lengths",
-                                  "tokens before and after", "short and empty sequences"])
-def test_checked_sequence_guess(case):
+@pytest.mark.parametrize("case,every_tile_hits", [
+    ("long sequences", True), ("one-token sequences, 64-token tiles", True),
+    ("one length, context parallel", True), ("skewed lengths", False),
+    ("tokens before and after", False), ("short and empty sequences", False)])
+def test_checked_sequence_guess(case, every_tile_hits):
     """`_searched_sequences` takes the first token's sequence from `_checked_sequence_guess`
     where its check holds: at every tile where sequences are of one length (with context
     parallelism too), at some tiles otherwise; and wherever the check holds the guess is
     searchsorted's sequence of the tile's first token, so a hit never needs the search."""
-    cu, past_end, cp_size, block_t = {
-        **_TILE_SEARCH_CASES,
-        "one length, context parallel": (_lengths_cu([16] * 12), 0, 2, 4)}[case]
-    num_tokens, num_seqs = cu[-1] // cp_size + past_end, len(cu) - 1
+    cu_seqlens, num_seqs, num_tokens, cp_size, block_t, _, expected = _sequence_search_case(
+        case, torch.int32)
     tiles = triton.cdiv(num_tokens, block_t)
     hit, guess = (torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2))
-    cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     _checked_sequence_guess_probe[(tiles,)](cu_seqlens, hit, guess, num_tokens, num_seqs, cp_size,
                                             block_t)
     hit, guess = hit.cpu(), guess.cpu().long()
     assert set(hit.tolist()) <= {0, 1}
-    if case in ("long sequences", "one-token sequences, 64-token tiles", "one length, context parallel"):
-        assert hit.all(), hit
-    else:
-        assert not hit.all() and hit.any(), hit
-    first = torch.arange(tiles) * block_t
-    local_cu = torch.tensor(cu, dtype=torch.int64) // cp_size
-    expected = (torch.searchsorted(local_cu, first, right=True) - 1).clamp(min=0)
-    assert guess[hit.bool()].tolist() == expected[hit.bool()].tolist()
+    assert bool(hit.all()) == every_tile_hits and hit.any(), hit
+    first = expected[::block_t]                    # each tile's first token's sequence
+    assert guess[hit.bool()].tolist() == first[hit.bool()].tolist()
 
 
 @pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
