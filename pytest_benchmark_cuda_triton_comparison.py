@@ -465,7 +465,9 @@ def test_one_head_tiles_take_any_table(interleaved):
     pair = torch.randn(s, 1, 2, d, device=DEVICE)
     one = pair[:, :, :1].clone()
     # Four tokens of one head per tile: tokens 0-3 match, 4-7 differ by an ulp, 8-11 by 0.25.
-    rule = triton_rotary_launch.launch_rule()._replace(tile_bytes=4 * d * one.element_size())
+    four_tokens = 4 * d * one.element_size()
+    rule = triton_rotary_launch.launch_rule()._replace(tile_bytes=four_tokens,
+                                                       one_head_tile_bytes=four_tokens)
     with triton_rotary_launch.use_launch_rule(rule):
         for backward in (False, True):
             alone = set_rotary_kernel(one, table, interleaved=interleaved, backward=backward)
@@ -3902,7 +3904,8 @@ def test_other_launch_configs(tile, min_programs):
     thd sequences), tails of the token grid, and tiles shrunk to give a big GPU enough
     programs: all give the same result."""
     rule = triton_rotary_launch.launch_rule()._replace(
-        tile_bytes=tile, search_tile_bytes=tile, qkv_tile_bytes=tile, min_programs_per_sm=min_programs)
+        tile_bytes=tile, one_head_tile_bytes=tile, search_tile_bytes=tile, qkv_tile_bytes=tile,
+        min_programs_per_sm=min_programs)
     with triton_rotary_launch.use_launch_rule(rule):
         _check_launch_configs()
 
@@ -4014,8 +4017,8 @@ def test_sin_cos_are_computed_once_per_program():
 def test_batch_of_one_saves_instructions():
     """A tile of a batch of one (`BATCH_OF_ONE`) finds a token's sequence without dividing by
     the runtime batch: no reciprocal (MUFU.RCP, which an integer division by a runtime value
-    takes) and fewer instructions than the same tile of any batch. The one-head tile of MLA's
-    key (32 tokens, 32 interleaved pairs), angles from positions; the launcher's choice of
+    takes) and fewer instructions than the same tile of any batch. A one-head tile of 32
+    tokens x 32 interleaved pairs (MLA's key), angles from positions; the launcher's choice of
     the flag is tested with the plans."""
     tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True)
     any_batch, one = _compile_tiles(tile, dict(tile, BATCH_OF_ONE=True))
@@ -4042,12 +4045,14 @@ def test_tiles_without_context_parallelism_fold_cp_size_away():
 def test_one_head_table_tile_issues_its_table_loads_together():
     """In a one-head tile of TE's table the check that both members of each pair share their
     angles comes before any sin/cos (`_rotation_from_table`), so that ptxas issues the table's
-    loads together instead of one per sin/cos: MLA's key tile (32 tokens x 32 interleaved
-    pairs, a batch of one, bf16, 4 warps) loads 8 KiB of angles, four 16-byte loads per
-    thread, and 4 KiB of the tensor, two, forward and backward: the first four of its six
-    loads lie within 48 instructions (12-17 in Triton 3.5.1-3.7.1, 31-39 in 3.9). With the
-    sin/cos of the first members before the check they lay 183-222 apart (in 3.6 all six at
-    110-395, with the check first at 153-216)."""
+    loads together instead of one per sin/cos: a tile of 32 tokens x 32 interleaved pairs
+    (MLA's key at 4 KiB tiles; a batch of one, bf16, 4 warps) loads 8 KiB of angles, four
+    16-byte loads per thread, and 4 KiB of the tensor, two, forward and backward: the first
+    four of its six loads lie within 48 instructions (12-17 in Triton 3.5.1-3.7.1, 31-39 in
+    3.9). With the sin/cos of the first members before the check they lay 183-222 apart (in
+    3.6 all six at 110-395, with the check first at 153-216). MLA's key now takes 16-token
+    tiles (ONE_HEAD_TILE_BYTES), whose two table loads a thread come together in either order
+    (Triton 3.5.1 and 3.6): this tile is where the order shows."""
     tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True, ANGLES_FROM_POSITIONS=False,
                 BATCH_OF_ONE=True)
     for result in _compile_tiles(tile, dict(tile, BACKWARD=True)):
@@ -4063,9 +4068,10 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
     last loads only after the sin/cos of the first. The launches the GPU rule plans on an H200
     (132 SMs) for MLA's key (a batch of one, 131072 tokens x 1 head x 32 interleaved pairs,
     bf16, forward) and quarter rotary's backward (8192 tokens x 32 heads, 16 of d 128's 64
-    pairs); without the barrier (Triton 3.6 and 3.9) one of MLA's three loads and two of
-    quarter rotary's five come after the first sin/cos (MLA's by 3 and 1 instructions: a
-    narrow margin, which a ptxas that schedules otherwise could close)."""
+    pairs); without the barrier (Triton 3.6 and 3.9) two of quarter rotary's five loads come
+    after the first sin/cos. MLA's key kept its loads ahead without it once its tile was
+    2 KiB (ONE_HEAD_TILE_BYTES; at 4 KiB one of its three loads came after, by 3 and 1
+    instructions)."""
     L = triton_rotary_launch
     records = []
     monkeypatch.setattr(L._Launch, "__call__",
@@ -4083,7 +4089,7 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
     path.write_text(json.dumps(records))
     for name, result in zip(("MLA's key", "quarter rotary, backward"),
                             _run_probe("--launch-stats", str(path))):
-        assert len(result["load_at"]) >= 3 and result["sincos_at"], (name, result)
+        assert len(result["load_at"]) >= 2 and result["sincos_at"], (name, result)
         assert max(result["load_at"]) < min(result["sincos_at"]), (name, result)
 
 
@@ -4490,8 +4496,10 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     qkv = torch.randn(64, 2, 2, 64, device=DEVICE, requires_grad=True)
     weight = torch.randn(16, device=DEVICE, requires_grad=True)
     # A row is 16 float32 channels, 64 bytes: 256 bytes hold 4 rows, 512 hold 8; 16 rows hold
-    # 256 elements, 2 warps of 4 each; 8 warps per SM are 4 programs of 2 warps.
-    rule = L.launch_rule()._replace(tile_bytes=256, qkv_tile_bytes=256, num_warps=4, table_warps=2,
+    # 256 elements, 2 warps of 4 each; 8 warps per SM are 4 programs of 2 warps. One head
+    # without a norm: 128 bytes, 2 rows.
+    rule = L.launch_rule()._replace(tile_bytes=256, one_head_tile_bytes=128, qkv_tile_bytes=256,
+                                    num_warps=4, table_warps=2,
                                     table_warps_min_heads=4, norm_warps=1,
                                     norm_one_head_warps=8, norm_positions_tile_bytes=512,
                                     norm_positions_warps=2, norm_positions_max_heads=4,
@@ -4534,7 +4542,7 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
         ("table", "plain", "forward"): (2, 1, 4, 128),      # rule.table_warps
         ("1 head", "norm", "forward"): (8, 4, 1, 32),
         ("1 head", "norm", "backward"): (2, 16, 1, min(8, 4 * sms)),
-        ("1 head", "plain", "forward"): (4, 4, 1, 32),
+        ("1 head", "plain", "forward"): (4, 2, 1, 64),      # rule.one_head_tile_bytes
         # more heads than rule.norm_positions_max_heads: the plain tile (1 token x 4 heads, two
         # programs per token); backward 2 tokens x 8 heads
         ("8 heads", "norm", "forward"): (1, 1, 4, 256),
@@ -4604,6 +4612,55 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
         ("thd positions given", False): 4, ("thd positions given", True): 4,
         ("q, k, table", False): [2],
     }, found
+
+
+def test_one_head_tokens_take_the_one_head_tile(monkeypatch):
+    """A call of one head per token without a norm, of either angle source, sbhd, bshd or thd
+    with positions given, takes rule.one_head_tile_bytes, forward and backward; two heads,
+    a norm, a thd call that searches cu_seqlens and q and k in one launch keep their own
+    tiles. Only the plans are read."""
+    L = triton_rotary_launch
+    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    table = module(64)
+    # A row is 16 float32 channels, 64 bytes: one-head tiles of 2 tokens, plain ones of 8 rows,
+    # search tiles of 4.
+    rule = L.launch_rule()._replace(tile_bytes=512, one_head_tile_bytes=128,
+                                    search_tile_bytes=256, search_wide_token=0,
+                                    min_programs_per_sm=0)
+    thd = dict(tensor_format="thd", cu_seqlens=torch.tensor([0, 30, 64], dtype=torch.int32,
+                                                             device=DEVICE))
+    one, two = torch.randn(64, 1, 1, 16, device=DEVICE), torch.randn(64, 1, 2, 16, device=DEVICE)
+    weight = torch.ones(16, device=DEVICE)
+    calls = {
+        "sbhd, table": (one, table, {}),
+        "sbhd, positions": (one, module, {}),
+        "bshd, positions": (one.transpose(0, 1), module, dict(tensor_format="bshd")),
+        "thd, positions given": (one[:, 0], module, dict(tensor_format="thd",
+                                                         positions=torch.arange(64, device=DEVICE))),
+        "two heads": (two, module, {}),
+        "norm": (one, module, dict(norm=L.RMSNorm(weight, 1e-6, 0.0, "head"))),
+        "thd search": (one[:, 0], module, thd),
+    }
+    rows = {}
+    with L.use_launch_rule(rule):
+        for name, (t, freqs, options) in calls.items():
+            for backward in (False, True):
+                if backward and "norm" in options:
+                    continue
+                L._PLANS.clear()
+                L.set_rotary_kernel(t, freqs, backward=backward, **options)
+                (plan,) = [p for p in L._PLANS.values() if p.launch is not None]
+                rows[name, backward] = plan.launch.cfg.BLOCK_T * plan.launch.cfg.BLOCK_H
+        L._PLANS.clear()
+        L.set_rotary_qk_kernel(one, one.clone(), module)
+        rows["q and k", False] = [p.launch.cfg[0].BLOCK_T for p in L._PLANS.values()]
+    assert rows == {
+        **{(name, backward): 2 for name in ("sbhd, table", "sbhd, positions", "bshd, positions",
+                                            "thd, positions given") for backward in (False, True)},
+        ("two heads", False): 8, ("two heads", True): 8, ("norm", False): 8,
+        ("thd search", False): 4, ("thd search", True): 4, ("q and k", False): [8],
+    }, rows
 
 
 def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):

@@ -63,6 +63,16 @@ MAX_SEQUENCES = 2**26
 TILE_BYTES = 4096
 NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
+# A token of one head (a key at TP 8, MLA's shared key) takes tiles of ONE_HEAD_TILE_BYTES.
+# At 4 KiB, Llama's key of d 128 in 16 bits gives each thread 8 pairs of one token, whose
+# frequencies take two 16-byte loads, and ptxas issued the second after the first sin/cos
+# (Triton 3.6, sm_90); at 2 KiB a thread has 4 pairs and one such load. Kernels alone,
+# fraction of copy speed, 4 KiB -> 2 KiB, H200 (artifacts/tiles/one_head_tile_ab_h200.log, run
+# 3): TP 8 keys of Llama 3 8B and 70B, 16-bit, positions 0.964-0.974 -> 0.980-0.993, TE's
+# table +0.017 to +0.046; MLA's key (d 64) positions +0.001 to +0.015, table within 0.005;
+# float32 +0.003 to +0.009 (run 2). Two heads of d 64 lost at 2 KiB (positions -0.015 to
+# -0.028, run 2), so the rule is for one head. Not run on the H100.
+ONE_HEAD_TILE_BYTES = 2048
 # thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
 # program, more of their (latency-bound) searches in flight at once; with angles from
 # positions in SEARCH_WARPS warps. A token of SEARCH_WIDE_TOKEN bytes or more (all its heads)
@@ -312,6 +322,7 @@ INTERPRETER_NORM_PROGRAMS = 2
 class LaunchRule(NamedTuple):
     """The launch rule's constants (above), as `launch_config` takes them."""
     tile_bytes: int
+    one_head_tile_bytes: int
     num_warps: int
     min_programs_per_sm: int    # the interpreter counts as one SM
     search_tile_bytes: int
@@ -340,8 +351,9 @@ class LaunchRule(NamedTuple):
     qk_norm_overlap: bool
 
 
-GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BYTES, SEARCH_WARPS,
-                      SEARCH_WIDE_TOKEN, TABLE_SEARCH_TOKEN_16BIT, SEARCH_GUESS, QKV_TILE_BYTES,
+GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM,
+                      SEARCH_TILE_BYTES, SEARCH_WARPS, SEARCH_WIDE_TOKEN, TABLE_SEARCH_TOKEN_16BIT,
+                      SEARCH_GUESS, QKV_TILE_BYTES,
                       TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NORM_WARPS, NORM_ONE_HEAD_WARPS,
                       NORM_POSITIONS_TILE_BYTES, NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS,
                       NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
@@ -350,7 +362,8 @@ GPU_RULE = LaunchRule(TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM, SEARCH_TILE_BY
                       NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
                       QK_NORM_OVERLAP)
-INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, NUM_WARPS, INTERPRETER_MIN_PROGRAMS,
+INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NUM_WARPS,
+                              INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 1, 0, SEARCH_GUESS,
                               INTERPRETER_TILE_BYTES,
                               TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NUM_WARPS, NUM_WARPS,
@@ -1492,7 +1505,12 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         searches = False
     # A norm covers every channel: a row of its tile is the whole head, and the channels past
     # rotary_dim are written in place too.
-    tile_bytes = rule.search_tile_bytes if searches else rule.tile_bytes
+    if searches:
+        tile_bytes = rule.search_tile_bytes
+    elif shape.nheads == 1 and norm is None and k is None:
+        tile_bytes = rule.one_head_tile_bytes           # ONE_HEAD_TILE_BYTES says why
+    else:
+        tile_bytes = rule.tile_bytes
     # One tensor without a norm (where SEARCH_TILE_BYTES and SEARCH_GUESS were measured)
     lone_search = searches and norm is None and k is None
     token_bytes = shape.nheads * shape.head_dim * t.element_size()
