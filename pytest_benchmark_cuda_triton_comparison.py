@@ -4474,6 +4474,14 @@ def test_module_angles_are_kept_while_the_module_is_the_same():
         apply_rotary_pos_emb(t, module)
 
 
+def _planned_only(monkeypatch):
+    """For tests that read plans: launches left out, and angle sources of 16 channels (the
+    module and its table of 64 positions)."""
+    monkeypatch.setattr(triton_rotary_launch._Launch, "__call__", lambda launch, *args: None)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    return module, module(64)
+
+
 def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     """A QK-norm forward takes the plain tile in rule.norm_warps warps, in
     rule.norm_one_head_warps where its tile holds one head; with angles from positions and 2
@@ -4486,8 +4494,7 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     table: test_table_and_search_tiles_take_their_warps). Only the plans are read:
     the launches are left out (the tiles' results are tested with the norms' other tests)."""
     L = triton_rotary_launch
-    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
-    module = RotaryPositionEmbedding(16, device=DEVICE)
+    module, _ = _planned_only(monkeypatch)
     x = torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True)
     inputs = {"4 heads": (x, module),
               "1 head": (torch.randn(64, 2, 1, 16, device=DEVICE, requires_grad=True), module),
@@ -4567,9 +4574,7 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
     every other tile with angles from positions keep rule.num_warps. Only the plans are
     read."""
     L = triton_rotary_launch
-    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
-    module = RotaryPositionEmbedding(16, device=DEVICE)
-    table = module(64)
+    module, table = _planned_only(monkeypatch)
     # A row is 16 float32 channels, 64 bytes (32: 128 bytes): a token of 4 heads is 256 bytes
     # (512), which 512-byte tiles and 256-byte search tiles hold whole.
     rule = L.launch_rule()._replace(tile_bytes=512, search_tile_bytes=256, num_warps=4,
@@ -4620,9 +4625,7 @@ def test_one_head_tokens_take_the_one_head_tile(monkeypatch):
     a norm, a thd call that searches cu_seqlens and q and k in one launch keep their own
     tiles. Only the plans are read."""
     L = triton_rotary_launch
-    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
-    module = RotaryPositionEmbedding(16, device=DEVICE)
-    table = module(64)
+    module, table = _planned_only(monkeypatch)
     # A row is 16 float32 channels, 64 bytes: one-head tiles of 2 tokens, plain ones of 8 rows,
     # search tiles of 4.
     rule = L.launch_rule()._replace(tile_bytes=512, one_head_tile_bytes=128,
@@ -4673,9 +4676,7 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     plain tiles of wide tokens, not for search tiles with angles from positions nor with a
     norm. Only the plans are read."""
     L = triton_rotary_launch
-    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
-    module = RotaryPositionEmbedding(16, device=DEVICE)
-    table = module(64)
+    module, table = _planned_only(monkeypatch)
     # A head is 16 float32 channels, 64 bytes: a token of 4 heads is 256 bytes.
     rule = L.launch_rule()._replace(tile_bytes=256, search_tile_bytes=1024,
                                     search_wide_token=256, search_guess=True,
