@@ -4050,9 +4050,10 @@ def test_one_head_table_tile_issues_its_table_loads_together():
     16-byte loads per thread, and 4 KiB of the tensor, two, forward and backward: the first
     four of its six loads lie within 48 instructions (12-17 in Triton 3.5.1-3.7.1, 31-39 in
     3.9). With the sin/cos of the first members before the check they lay 183-222 apart (in
-    3.6 all six at 110-395, with the check first at 153-216). MLA's key now takes 16-token
-    tiles (ONE_HEAD_TILE_BYTES), whose two table loads a thread come together in either order
-    (Triton 3.5.1 and 3.6): this tile is where the order shows."""
+    3.6 all six at 110-395, with the check first at 153-216). The launch rule plans this tile
+    for no call (MLA's key takes 16 tokens, ONE_HEAD_TILE_BYTES, whose two table loads a
+    thread come together in either order under Triton 3.5.1 and 3.6); a rule of larger
+    one-head tiles does, and this tile is where the order shows."""
     tile = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=32, INTERLEAVED=True, ANGLES_FROM_POSITIONS=False,
                 BATCH_OF_ONE=True)
     for result in _compile_tiles(tile, dict(tile, BACKWARD=True)):
@@ -4069,9 +4070,9 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
     (132 SMs) for MLA's key (a batch of one, 131072 tokens x 1 head x 32 interleaved pairs,
     bf16, forward) and quarter rotary's backward (8192 tokens x 32 heads, 16 of d 128's 64
     pairs); without the barrier (Triton 3.6 and 3.9) two of quarter rotary's five loads come
-    after the first sin/cos. MLA's key kept its loads ahead without it once its tile was
-    2 KiB (ONE_HEAD_TILE_BYTES; at 4 KiB one of its three loads came after, by 3 and 1
-    instructions)."""
+    after the first sin/cos, so that case guards the barrier. MLA's key's 2 KiB tile
+    (ONE_HEAD_TILE_BYTES) keeps its two loads ahead either way (Triton 3.6); in a 4 KiB tile
+    one of its three loads comes after without the barrier."""
     L = triton_rotary_launch
     records = []
     monkeypatch.setattr(L._Launch, "__call__",
@@ -4087,9 +4088,11 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
     assert [r["kernel"] for r in records] == ["rotary_kernel"] * 2, records
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(records))
-    for name, result in zip(("MLA's key", "quarter rotary, backward"),
-                            _run_probe("--launch-stats", str(path))):
-        assert len(result["load_at"]) >= 2 and result["sincos_at"], (name, result)
+    # Each tile's count of global loads, its tensor's and the frequencies' (Triton 3.5.1-3.9),
+    # so that a tile whose loads the probe missed fails instead of passing.
+    for (name, loads), result in zip((("MLA's key", 2), ("quarter rotary, backward", 5)),
+                                     _run_probe("--launch-stats", str(path))):
+        assert len(result["load_at"]) == loads and result["sincos_at"], (name, result)
         assert max(result["load_at"]) < min(result["sincos_at"]), (name, result)
 
 
@@ -4474,7 +4477,7 @@ def test_module_angles_are_kept_while_the_module_is_the_same():
         apply_rotary_pos_emb(t, module)
 
 
-def _planned_only(monkeypatch):
+def _plans_without_launches_d16(monkeypatch):
     """For tests that read plans: launches left out, and angle sources of 16 channels (the
     module and its table of 64 positions)."""
     monkeypatch.setattr(triton_rotary_launch._Launch, "__call__", lambda launch, *args: None)
@@ -4494,7 +4497,7 @@ def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     table: test_table_and_search_tiles_take_their_warps). Only the plans are read:
     the launches are left out (the tiles' results are tested with the norms' other tests)."""
     L = triton_rotary_launch
-    module, _ = _planned_only(monkeypatch)
+    module, _ = _plans_without_launches_d16(monkeypatch)
     x = torch.randn(64, 2, 4, 16, device=DEVICE, requires_grad=True)
     inputs = {"4 heads": (x, module),
               "1 head": (torch.randn(64, 2, 1, 16, device=DEVICE, requires_grad=True), module),
@@ -4574,7 +4577,7 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
     every other tile with angles from positions keep rule.num_warps. Only the plans are
     read."""
     L = triton_rotary_launch
-    module, table = _planned_only(monkeypatch)
+    module, table = _plans_without_launches_d16(monkeypatch)
     # A row is 16 float32 channels, 64 bytes (32: 128 bytes): a token of 4 heads is 256 bytes
     # (512), which 512-byte tiles and 256-byte search tiles hold whole.
     rule = L.launch_rule()._replace(tile_bytes=512, search_tile_bytes=256, num_warps=4,
@@ -4625,7 +4628,7 @@ def test_one_head_tokens_take_the_one_head_tile(monkeypatch):
     a norm, a thd call that searches cu_seqlens and q and k in one launch keep their own
     tiles. Only the plans are read."""
     L = triton_rotary_launch
-    module, table = _planned_only(monkeypatch)
+    module, table = _plans_without_launches_d16(monkeypatch)
     # A row is 16 float32 channels, 64 bytes: one-head tiles of 2 tokens, plain ones of 8 rows,
     # search tiles of 4.
     rule = L.launch_rule()._replace(tile_bytes=512, one_head_tile_bytes=128,
@@ -4676,7 +4679,7 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     plain tiles of wide tokens, not for search tiles with angles from positions nor with a
     norm. Only the plans are read."""
     L = triton_rotary_launch
-    module, table = _planned_only(monkeypatch)
+    module, table = _plans_without_launches_d16(monkeypatch)
     # A head is 16 float32 channels, 64 bytes: a token of 4 heads is 256 bytes.
     rule = L.launch_rule()._replace(tile_bytes=256, search_tile_bytes=1024,
                                     search_wide_token=256, search_guess=True,

@@ -63,15 +63,19 @@ MAX_SEQUENCES = 2**26
 TILE_BYTES = 4096
 NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4
-# A token of one head (a key at TP 8, MLA's shared key) takes tiles of ONE_HEAD_TILE_BYTES.
-# At 4 KiB, Llama's key of d 128 in 16 bits gives each thread 8 pairs of one token, whose
-# frequencies take two 16-byte loads, and ptxas issued the second after the first sin/cos
-# (Triton 3.6, sm_90); at 2 KiB a thread has 4 pairs and one such load. Kernels alone,
-# fraction of copy speed, 4 KiB -> 2 KiB, H200 (artifacts/tiles/one_head_tile_ab_h200.log, run
-# 3): TP 8 keys of Llama 3 8B and 70B, 16-bit, positions 0.964-0.974 -> 0.980-0.993, TE's
-# table +0.017 to +0.046; MLA's key (d 64) positions +0.001 to +0.015, table within 0.005;
-# float32 +0.003 to +0.009 (run 2). Two heads of d 64 lost at 2 KiB (positions -0.015 to
-# -0.028, run 2), so the rule is for one head. Not run on the H100.
+# A tensor of one head per token (a key at TP 8, MLA's shared key) rotated in a call of its
+# own, without a norm, takes tiles of ONE_HEAD_TILE_BYTES (not where q and k share a launch,
+# whose tiles follow q's, nor where thd tiles search cu_seqlens: SEARCH_TILE_BYTES). At 4 KiB,
+# Llama's key of d 128 in 16 bits gives each thread 8 pairs of one token, whose frequencies
+# take two 16-byte loads, and ptxas issues the second after the first sin/cos (Triton 3.6,
+# sm_90: loads at SASS instructions 42, 43, 45 and 140, first sin/cos at 69); at 2 KiB a
+# thread has 4 pairs and one such load (loads at 39, 40, 42, first sin/cos at 97). Kernels
+# alone, fraction of copy speed, 4 KiB -> 2 KiB, H200 (artifacts/tiles/one_head_tile_ab_h200.log,
+# run 3): TP 8 keys of Llama 3 8B and 70B, 16-bit, positions path 0.964-0.974 -> 0.98-0.99,
+# TE's table +0.017 to +0.046; MLA's key (d 64) positions +0.001 to +0.015, table within 0.005;
+# float32 positions path +0.003 to +0.009, table within 0.003 (run 2). Measured at d 64 and
+# 128 only. Two heads of d 64 lost at 2 KiB (positions -0.015 to -0.028, run 2), so the rule
+# is for one head. Not run on the H100.
 ONE_HEAD_TILE_BYTES = 2048
 # thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
 # program, more of their (latency-bound) searches in flight at once; with angles from
