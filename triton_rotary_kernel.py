@@ -738,12 +738,13 @@ def _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens
         # the barrier its three loads are at 52-55). H200, kernels alone, 16-bit, against the
         # same code without it (artifacts/tiles/context_parallel_ab_h200.log, run 3, GCB -
         # GC): MLA's key +0.012 to +0.016 of copy speed, Llama 3 8B's +0.010 to +0.013, the
-        # TP 8 keys +0.005 to +0.011 (all three keys in 4 KiB tiles), quarter rotary's
-        # backward +0.024; one row of 72 down by more than 0.005 (-0.007). The keys' 2 KiB
-        # tiles (ONE_HEAD_TILE_BYTES) were timed with the barrier only; their loads come
-        # before the first sin/cos with or without it (SASS, Triton 3.6). Fused QKV goes without (it costs its tiles 0.003-0.012), and so do
-        # q+k pair tiles (BLOCK_KV marks both) and tiles with context parallelism, a norm or
-        # given positions (not measured). Not run on the H100.
+        # TP 8 keys +0.005 to +0.011 (all in 4 KiB tiles), quarter rotary's backward +0.024;
+        # one row of 72 down by more than 0.005 (-0.007). The one-head keys' 2 KiB tiles
+        # (ONE_HEAD_TILE_BYTES) were timed with the barrier only; their loads come before the
+        # first sin/cos with or without it (SASS, Triton 3.6). Fused QKV goes without (it
+        # costs its tiles 0.003-0.012), and so do q+k pair tiles (BLOCK_KV marks both) and
+        # tiles with context parallelism, a norm or given positions (not measured). Not run on
+        # the H100.
         tl.debug_barrier()
     if cfg.IS_THD and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS:
         # ptxas issues the loads of the search for the tokens' sequences (a chain of
