@@ -1507,16 +1507,18 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         # positions from a pre-pass (SEQUENCE_POSITIONS_BLOCK, QK_NORM_POSITIONS_PASS)
         positions_pass = _sequence_positions_launch(shape, start_positions is not None, cp_size)
         searches = False
+    # One tensor without a norm: where SEARCH_TILE_BYTES, SEARCH_GUESS and ONE_HEAD_TILE_BYTES
+    # were measured.
+    lone = norm is None and k is None
+    lone_search = searches and lone
     # A norm covers every channel: a row of its tile is the whole head, and the channels past
     # rotary_dim are written in place too.
     if searches:
         tile_bytes = rule.search_tile_bytes
-    elif shape.nheads == 1 and norm is None and k is None:
+    elif lone and shape.nheads == 1:
         tile_bytes = rule.one_head_tile_bytes           # ONE_HEAD_TILE_BYTES says why
     else:
         tile_bytes = rule.tile_bytes
-    # One tensor without a norm (where SEARCH_TILE_BYTES and SEARCH_GUESS were measured)
-    lone_search = searches and norm is None and k is None
     token_bytes = shape.nheads * shape.head_dim * t.element_size()
     # TE's table in a 16-bit dtype keeps search tiles for wide tokens (TABLE_SEARCH_TOKEN_16BIT)
     table_keeps_search = (not source.from_positions and t.element_size() == 2
