@@ -4485,6 +4485,14 @@ def _plans_without_launches_d16(monkeypatch):
     return module, module(64)
 
 
+def _plan_of_call(t, freqs, **options):
+    """The one plan a set_rotary_kernel call makes (the plans cleared first)."""
+    triton_rotary_launch._PLANS.clear()
+    triton_rotary_launch.set_rotary_kernel(t, freqs, **options)
+    (plan,) = triton_rotary_launch._PLANS.values()
+    return plan
+
+
 def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     """A QK-norm forward takes the plain tile in rule.norm_warps warps, in
     rule.norm_one_head_warps where its tile holds one head; with angles from positions and 2
@@ -4600,9 +4608,7 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
     with L.use_launch_rule(rule):
         for name, (t, freqs, options) in calls.items():
             for backward in (False, True):
-                L._PLANS.clear()
-                L.set_rotary_kernel(t, freqs, backward=backward, **options)
-                (plan,) = L._PLANS.values()
+                plan = _plan_of_call(t, freqs, backward=backward, **options)
                 found[(name, backward)] = plan.launch.num_warps
                 assert plan.launch.cfg.BLOCK_H == t.shape[-2], name
         L._PLANS.clear()
@@ -4654,9 +4660,7 @@ def test_one_head_tokens_take_the_one_head_tile(monkeypatch):
             for backward in (False, True):
                 if backward and "norm" in options:
                     continue
-                L._PLANS.clear()
-                L.set_rotary_kernel(t, freqs, backward=backward, **options)
-                (plan,) = [p for p in L._PLANS.values() if p.launch is not None]
+                plan = _plan_of_call(t, freqs, backward=backward, **options)
                 rows[name, backward] = plan.launch.cfg.BLOCK_T * plan.launch.cfg.BLOCK_H
         L._PLANS.clear()
         L.set_rotary_qk_kernel(one, one.clone(), module)
@@ -4690,10 +4694,8 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     norm = L.RMSNorm(torch.ones(16, device=DEVICE), 1e-6, 0.0, "head")
 
     def tile(rule, t, freqs, **options):
-        L._PLANS.clear()
         with L.use_launch_rule(rule):
-            L.set_rotary_kernel(t, freqs, **thd, **options)
-        (plan,) = L._PLANS.values()
+            plan = _plan_of_call(t, freqs, **thd, **options)
         return plan.launch.cfg.BLOCK_T, plan.launch.cfg.BLOCK_H, plan.launch.cfg.SEARCH_GUESS
 
     assert tile(rule, wide, module) == (1, 4, True)            # 256-byte tokens: plain tiles
