@@ -4072,7 +4072,11 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
     pairs); without the barrier (Triton 3.6 and 3.9) two of quarter rotary's five loads come
     after the first sin/cos, so that case guards the barrier. MLA's key's 2 KiB tile
     (ONE_HEAD_TILE_BYTES) keeps its two loads ahead either way (Triton 3.6); in a 4 KiB tile
-    one of its three loads comes after without the barrier."""
+    one of its three loads comes after without the barrier. With TE's table (no MUFU: the
+    table's angles take the precise sin/cos), MLA's key is the table tile that takes the
+    barrier: its tensor's load and the table row's two issue within a few instructions (71-76
+    in Triton 3.5.1-3.9); without the barrier the last comes 26-52 instructions after the
+    first."""
     L = triton_rotary_launch
     records = []
     monkeypatch.setattr(L._Launch, "__call__",
@@ -4085,29 +4089,33 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
                           interleaved=True)
         set_rotary_kernel(torch.randn(8192, 1, 32, 128, **bf16),
                           RotaryPositionEmbedding(128, 0.25, device=DEVICE), backward=True)
-    assert [r["kernel"] for r in records] == ["rotary_kernel"] * 2, records
+        mla_table = RotaryPositionEmbedding(64, interleaved=True, device=DEVICE)(131072)
+        set_rotary_kernel(torch.randn(131072, 1, 1, 64, **bf16), mla_table, interleaved=True)
+    assert [r["kernel"] for r in records] == ["rotary_kernel"] * 3, records
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(records))
-    # Each tile's count of global loads, its tensor's and the frequencies' (Triton 3.5.1-3.9),
-    # so that a tile whose loads the probe missed fails instead of passing.
-    for (name, loads), result in zip((("MLA's key", 2), ("quarter rotary, backward", 5)),
-                                     _run_probe("--launch-stats", str(path))):
+    # Each tile's count of global loads, its tensor's and the frequencies' or the table's
+    # (Triton 3.5.1-3.9), so that a tile whose loads the probe missed fails instead of passing.
+    key, quarter, key_table = _run_probe("--launch-stats", str(path))
+    for name, loads, result in (("MLA's key", 2, key), ("quarter rotary, backward", 5, quarter)):
         assert len(result["load_at"]) == loads and result["sincos_at"], (name, result)
         assert max(result["load_at"]) < min(result["sincos_at"]), (name, result)
+    assert len(key_table["load_at"]) == 3, key_table
+    assert max(key_table["load_at"]) - min(key_table["load_at"]) <= 16, key_table
 
 
 def test_thd_tiles_load_the_frequencies_before_the_search():
     """Tiles of several heads of a packed batch with angles from positions load the pairs'
     inverse frequencies before the search of cu_seqlens (`_tile_angles`), not after its chain
     of dependent loads: the tiles of the packed models points (1 token x 16 heads, mixed and
-    lognormal lengths, forward and backward; 4 tokens x 8 heads, 2048 sequences of 64). The
+    lognormal lengths, forward and backward; 2 tokens x 8 heads, 2048 sequences of 64). The
     frequencies' load is the tile's only 32-bit load without evict_last; fewer than half of the
-    search's loads (LDG.E.EL, cu_seqlens' entries) come before it (0-4 of 15-24 in Triton
+    search's loads (LDG.E.EL, cu_seqlens' entries) come before it (none of 17-27 in Triton
     3.5.1-3.9). Loaded inside the angles' one-trip loop, after the search's, all of them did."""
     thd = dict(SEQ_MAJOR=False, IS_THD=True)
     tiles = [dict(thd, BLOCK_T=1, BLOCK_H=16, FLAT_GRID=True, SEARCH_LEVELS=3, SEARCH_GUESS=True),
              dict(thd, BLOCK_T=1, BLOCK_H=16, SEARCH_LEVELS=4, SEARCH_GUESS=True, BACKWARD=True),
-             dict(thd, BLOCK_T=4, BLOCK_H=8, SEARCH_LEVELS=6)]
+             dict(thd, BLOCK_T=2, BLOCK_H=8, SEARCH_LEVELS=6, SEARCH_GUESS=True)]
     for result in _compile_tiles(*tiles):
         loads = list(zip(result["loads"], result["load_at"]))
         (freqs_at,) = [at for op, at in loads if op == "LDG.E"]
@@ -4719,6 +4727,41 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     assert tile(rule16, wide16, module) == (2, 4, True)
     assert tile(rule16._replace(table_search_token_16bit=64), wide, table) == (1, 4, True)
 
+
+
+def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
+    """Under the GPU's rule (132 SMs, as an H200), a packed call that searches cu_seqlens takes
+    the plain 4 KiB tile with the guessed window where a token (all its heads) is 1 KiB or more,
+    as SEARCH_WIDE_TOKEN's measurements have it: 8 heads of d 128 in bf16 (2 tokens a tile), 4
+    heads in bf16 (4 tokens) and in float32 (2); TE's table there in 2 warps. One head of d 128
+    and two of d 64 in bf16 (256-byte tokens) keep 8 KiB search tiles of 32 tokens, with the
+    guess only for TE's table. Only the plans are read."""
+    L = triton_rotary_launch
+    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
+    monkeypatch.setattr(L, "_sm_count", lambda device: 132)
+    tokens = 32768
+    thd = dict(tensor_format="thd", cu_seqlens=torch.arange(0, tokens + 1, 64, dtype=torch.int32,
+                                                            device=DEVICE))
+    found = {}
+    with L.use_launch_rule(L.GPU_RULE):
+        for heads, d, dtype, name in ((8, 128, torch.bfloat16, "8 x 128 bf16"),
+                                      (4, 128, torch.bfloat16, "4 x 128 bf16"),
+                                      (4, 128, torch.float32, "4 x 128 fp32"),
+                                      (1, 128, torch.bfloat16, "1 x 128 bf16"),
+                                      (2, 64, torch.bfloat16, "2 x 64 bf16")):
+            t = torch.empty(tokens, heads, d, dtype=dtype, device=DEVICE)
+            module = RotaryPositionEmbedding(d, device=DEVICE)
+            for source, freqs in (("positions", module), ("table", module(64))):
+                launch = _plan_of_call(t, freqs, **thd).launch
+                found[name, source] = (launch.cfg.BLOCK_T, launch.cfg.BLOCK_H,
+                                       launch.cfg.SEARCH_GUESS, launch.num_warps)
+    assert found == {
+        ("8 x 128 bf16", "positions"): (2, 8, True, 4), ("8 x 128 bf16", "table"): (2, 8, True, 2),
+        ("4 x 128 bf16", "positions"): (4, 4, True, 4), ("4 x 128 bf16", "table"): (4, 4, True, 2),
+        ("4 x 128 fp32", "positions"): (2, 4, True, 4), ("4 x 128 fp32", "table"): (2, 4, True, 2),
+        ("1 x 128 bf16", "positions"): (32, 1, False, 4), ("1 x 128 bf16", "table"): (32, 1, True, 4),
+        ("2 x 64 bf16", "positions"): (32, 2, False, 4), ("2 x 64 bf16", "table"): (32, 2, True, 4),
+    }, found
 
 def _norm_forward_plans(t, freqs, **options):
     """The forward plans of a call with a norm under the GPU's rule on one SM, as the

@@ -80,28 +80,35 @@ ONE_HEAD_TILE_BYTES = 2048
 # thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
 # program, more of their (latency-bound) searches in flight at once; with angles from
 # positions in SEARCH_WARPS warps. A token of SEARCH_WIDE_TOKEN bytes or more (all its heads)
-# takes TILE_BYTES instead, as a call that does not search, and with TE's table TABLE_WARPS
-# warps. Kernels alone, fraction of copy speed, angles from positions, the rule with both
-# against neither of that and SEARCH_GUESS (artifacts/tiles/positions_rule_ab_h200_5.log,
-# _h100_4.log): 16 heads of d 128 in bf16 0.94 -> 0.98 on the H200, 0.97 -> 0.975 on the H100;
-# float32 packed points 0.96-0.97 -> 0.995-1.004 / 0.990-1.003. Where a 4 KiB tile would hold
-# several tokens (8 heads in bf16) it ran 0.95 -> 0.86-0.93 on the H200
-# (positions_rule_ab_h200_3.log, _4.log). TE's table, wide tokens, 8 KiB in 4 warps against
+# takes TILE_BYTES instead, with the guessed window (SEARCH_GUESS) also for angles from
+# positions, and with TE's table TABLE_WARPS warps. Kernels alone, fraction of copy speed,
+# angles from positions, the rule with both against neither of that and SEARCH_GUESS
+# (artifacts/tiles/positions_rule_ab_h200_5.log, _h100_4.log): 16 heads of d 128 in bf16
+# 0.94 -> 0.98 on the H200, 0.97 -> 0.975 on the H100; float32 packed points 0.96-0.97 ->
+# 0.995-1.004 / 0.990-1.003. TE's table, wide tokens, 8 KiB in 4 warps against
 # 4 KiB in 2, H200, three runs (artifacts/thd/thd_table_wide_token_ab_h200.log): lognormal
 # lengths, 16 heads, bf16 0.913-0.919 -> 0.953-0.956, float32 0.960-0.964 -> 0.981-0.984;
 # mixed lengths, 32 heads, float32 0.970-0.974 -> 0.988-0.995 (bf16 unchanged, 0.95-0.96;
 # fp16 0.947-0.956 -> 0.933-0.939, thd_table_wide_token_fp16_ab_h200.log: such 16-bit tokens
 # keep the search tile, TABLE_SEARCH_TOKEN_16BIT);
 # 8 heads in float32 0.972-0.980 -> 0.997-0.999; 4 KiB in 4 warps lost at lognormal and mixed
-# lengths in bf16 (0.86, 0.83), as did 16 KiB in 4 warps and 8 KiB in 2; not run on the H100.
-# 8 warps instead of 4, bf16, angles from positions: on four H100 machines
-# (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and 4096 packed
+# lengths in bf16 (0.86, 0.83), as did 16 KiB in 4 warps and 8 KiB in 2.
+# Tokens of 1 and 2 KiB (8 or 4 heads of d 128 in 16 bits, 4 in float32) take the plain tile
+# too, 2-4 tokens a program, H200 (artifacts/thd/narrow_tokens_ab_h200.log, run 3, medians of
+# six processes a tree): positions path 8 heads bf16, uniform and lognormal lengths, 0.956-0.964
+# -> 0.982-0.990; 4 heads, mixed lengths, bf16 0.940-0.945 -> 0.948-0.951, float32 0.972-0.973
+# -> 0.994-0.995; TE's table at those points +0.019 to +0.051 (0.82-0.96 -> 0.86-0.98). In
+# that 4 KiB tile the guess matters: without it (run 2) uniform lengths gained more
+# (+0.028-0.038) but lognormal and mixed ones lost (up to -0.033). Narrower tokens (one head
+# of d 128, two of d 64) lost in the plain tile (up to -0.54, float32 one head with the guess),
+# and keep the search tile. 8 warps instead of 4, bf16, angles from positions: on four H100
+# machines (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and 4096 packed
 # sequences of 64 and 32 tokens and lognormal lengths gained 0.003-0.013 (0.971-0.982 ->
 # 0.974-0.991); on the H200 (positions_rule_ab_h200.log) the same uniform sequences lost
-# 0.07-0.11 (0.947-0.955 -> 0.839-0.886). So 4.
+# 0.07-0.11 (0.947-0.955 -> 0.839-0.886). So 4. Not run on the H100 at 1 KiB.
 SEARCH_TILE_BYTES = 8192
 SEARCH_WARPS = 4
-SEARCH_WIDE_TOKEN = TILE_BYTES
+SEARCH_WIDE_TOKEN = 1024
 # With TE's table, a token in a 16-bit dtype of TABLE_SEARCH_TOKEN_16BIT bytes or more (32
 # heads of d 128) keeps the search tile, which then holds the whole token: each sin/cos serves
 # all its heads, twice as many as in the plain tile. That won only in 16-bit dtypes (twice the
@@ -120,9 +127,10 @@ TABLE_SEARCH_TOKEN_16BIT = SEARCH_TILE_BYTES
 # against without (positions_rule_ab_h200_5.log, _h100_4.log): TE's table on the H200
 # +0.003-0.019 of copy speed at lognormal and mixed lengths and at float32 uniform ones,
 # -0.006 to +0.001 at bf16 uniform ones; on the H100 +0.001-0.005 at bf16 and float32 uniform
-# lengths; angles from positions in tiles of wide tokens up to +0.01 (float32). Not in
-# tiles of several tokens with angles from positions: the VLM key (8 tokens a tile) lost up
-# to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log).
+# lengths; angles from positions in tiles of wide tokens up to +0.01 (float32). Not in search
+# tiles (of tokens under SEARCH_WIDE_TOKEN) with angles from positions: the VLM key (8 tokens
+# a tile) lost up to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log), and 8 heads of
+# d 128 in bf16 (4 tokens a tile) 0.001-0.007 (artifacts/thd/narrow_tokens_ab_h200.log, run 1).
 SEARCH_GUESS = True
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
