@@ -4029,8 +4029,8 @@ def test_batch_of_one_saves_instructions():
 def test_tiles_without_context_parallelism_fold_cp_size_away():
     """Without context parallelism (CONTEXT_PARALLEL off, cp_size 1) a tile has none of its
     arithmetic, which it would otherwise run whatever cp_size is (ptxas selects between the
-    rank's position split and the plain position rather than branch): the thd tile (4 tokens
-    x 8 heads, 2048 sequences) without the division of its sequences' ends by cp_size (one
+    rank's position split and the plain position rather than branch): a thd search tile (4
+    tokens x 8 heads, 2048 sequences) without the division of its sequences' ends by cp_size (one
     reciprocal fewer), both tiles with fewer instructions (Triton 3.6: thd 940 -> 814, the sbhd
     tile of 2 tokens x 8 heads of a batch of one 220 -> 183)."""
     thd = dict(BLOCK_T=4, BLOCK_H=8, SEQ_MAJOR=False, IS_THD=True, SEARCH_LEVELS=6)
@@ -4728,14 +4728,15 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     assert tile(rule16._replace(table_search_token_16bit=64), wide, table) == (1, 4, True)
 
 
-
 def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
     """Under the GPU's rule (132 SMs, as an H200), a packed call that searches cu_seqlens takes
     the plain 4 KiB tile with the guessed window where a token (all its heads) is 1 KiB or more,
     as SEARCH_WIDE_TOKEN's measurements have it: 8 heads of d 128 in bf16 (2 tokens a tile), 4
-    heads in bf16 (4 tokens) and in float32 (2); TE's table there in 2 warps. One head of d 128
-    and two of d 64 in bf16 (256-byte tokens) keep 8 KiB search tiles of 32 tokens, with the
-    guess only for TE's table. Only the plans are read."""
+    heads in bf16 (4 tokens) and in float32 (2); TE's table there in 2 warps, but in 4 where the
+    tile holds fewer than 4 heads (2 of d 256 in bf16). Narrower tokens keep 8 KiB search tiles,
+    with the guess only for TE's table: one head of d 128 and two of d 64 in bf16 (256 bytes, 32
+    tokens a tile), one of d 128 in float32 (512 bytes, 16) and three of d 128 in bf16 (768
+    bytes, 8 tokens x 4 heads). Only the plans are read."""
     L = triton_rotary_launch
     monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
@@ -4747,8 +4748,11 @@ def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
         for heads, d, dtype, name in ((8, 128, torch.bfloat16, "8 x 128 bf16"),
                                       (4, 128, torch.bfloat16, "4 x 128 bf16"),
                                       (4, 128, torch.float32, "4 x 128 fp32"),
+                                      (2, 256, torch.bfloat16, "2 x 256 bf16"),
                                       (1, 128, torch.bfloat16, "1 x 128 bf16"),
-                                      (2, 64, torch.bfloat16, "2 x 64 bf16")):
+                                      (2, 64, torch.bfloat16, "2 x 64 bf16"),
+                                      (1, 128, torch.float32, "1 x 128 fp32"),
+                                      (3, 128, torch.bfloat16, "3 x 128 bf16")):
             t = torch.empty(tokens, heads, d, dtype=dtype, device=DEVICE)
             module = RotaryPositionEmbedding(d, device=DEVICE)
             for source, freqs in (("positions", module), ("table", module(64))):
@@ -4759,9 +4763,13 @@ def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
         ("8 x 128 bf16", "positions"): (2, 8, True, 4), ("8 x 128 bf16", "table"): (2, 8, True, 2),
         ("4 x 128 bf16", "positions"): (4, 4, True, 4), ("4 x 128 bf16", "table"): (4, 4, True, 2),
         ("4 x 128 fp32", "positions"): (2, 4, True, 4), ("4 x 128 fp32", "table"): (2, 4, True, 2),
+        ("2 x 256 bf16", "positions"): (4, 2, True, 4), ("2 x 256 bf16", "table"): (4, 2, True, 4),
         ("1 x 128 bf16", "positions"): (32, 1, False, 4), ("1 x 128 bf16", "table"): (32, 1, True, 4),
         ("2 x 64 bf16", "positions"): (32, 2, False, 4), ("2 x 64 bf16", "table"): (32, 2, True, 4),
+        ("1 x 128 fp32", "positions"): (16, 1, False, 4), ("1 x 128 fp32", "table"): (16, 1, True, 4),
+        ("3 x 128 bf16", "positions"): (8, 4, False, 4), ("3 x 128 bf16", "table"): (8, 4, True, 4),
     }, found
+
 
 def _norm_forward_plans(t, freqs, **options):
     """The forward plans of a call with a norm under the GPU's rule on one SM, as the

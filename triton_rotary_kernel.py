@@ -745,10 +745,11 @@ def _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens
         # first sin/cos with or without it (SASS, Triton 3.6). Fused QKV goes without (it
         # costs its tiles 0.003-0.012), and so do q+k pair tiles (BLOCK_KV marks both) and
         # tiles with context parallelism, a norm or given positions (not measured). With TE's
-        # table it goes only into interleaved tiles of one head (MLA's key): +0.005 to +0.014
-        # there in 16 bits, in four runs (one_head_tile_ab_h200.log run 3;
-        # artifacts/thd/narrow_tokens_ab_h200.log runs 1-3); in all table tiles it was
-        # mixed (down at TP 8's keys, 8 heads and d 256). Not run on the H100.
+        # table it goes only into interleaved tiles of one head, of which MLA's key is the one
+        # measured: +0.004 to +0.014 there in 16 bits, in four runs
+        # (one_head_tile_ab_h200.log run 3; artifacts/thd/narrow_tokens_ab_h200.log runs 1-3);
+        # in all table tiles it was mixed (down at TP 8's keys, 8 heads and d 256). Not run on
+        # the H100.
         tl.debug_barrier()
     if cfg.IS_THD and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS:
         # ptxas issues the loads of the search for the tokens' sequences (a chain of

@@ -77,38 +77,41 @@ MIN_PROGRAMS_PER_SM = 4
 # 128 only. Two heads of d 64 lost at 2 KiB (positions -0.015 to -0.028, run 2), so the rule
 # is for one head. Not run on the H100.
 ONE_HEAD_TILE_BYTES = 2048
-# thd tiles whose tokens search cu_seqlens for their sequence hold this much: more tokens per
-# program, more of their (latency-bound) searches in flight at once; with angles from
-# positions in SEARCH_WARPS warps. A token of SEARCH_WIDE_TOKEN bytes or more (all its heads)
-# takes TILE_BYTES instead, with the guessed window (SEARCH_GUESS) also for angles from
-# positions, and with TE's table TABLE_WARPS warps. Kernels alone, fraction of copy speed,
-# angles from positions, the rule with both against neither of that and SEARCH_GUESS
-# (artifacts/tiles/positions_rule_ab_h200_5.log, _h100_4.log): 16 heads of d 128 in bf16
-# 0.94 -> 0.98 on the H200, 0.97 -> 0.975 on the H100; float32 packed points 0.96-0.97 ->
-# 0.995-1.004 / 0.990-1.003. TE's table, wide tokens, 8 KiB in 4 warps against
-# 4 KiB in 2, H200, three runs (artifacts/thd/thd_table_wide_token_ab_h200.log): lognormal
-# lengths, 16 heads, bf16 0.913-0.919 -> 0.953-0.956, float32 0.960-0.964 -> 0.981-0.984;
-# mixed lengths, 32 heads, float32 0.970-0.974 -> 0.988-0.995 (bf16 unchanged, 0.95-0.96;
-# fp16 0.947-0.956 -> 0.933-0.939, thd_table_wide_token_fp16_ab_h200.log: such 16-bit tokens
-# keep the search tile, TABLE_SEARCH_TOKEN_16BIT);
-# 8 heads in float32 0.972-0.980 -> 0.997-0.999; 4 KiB in 4 warps lost at lognormal and mixed
-# lengths in bf16 (0.86, 0.83), as did 16 KiB in 4 warps and 8 KiB in 2.
-# Tokens of 1 and 2 KiB (8 or 4 heads of d 128 in 16 bits, 4 in float32) take the plain tile
-# too, 2-4 tokens a program, H200 (artifacts/thd/narrow_tokens_ab_h200.log, run 3, medians of
-# six processes a tree): positions path 8 heads bf16, uniform and lognormal lengths, 0.956-0.964
-# -> 0.982-0.990; 4 heads, mixed lengths, bf16 0.940-0.945 -> 0.948-0.951, float32 0.972-0.973
-# -> 0.994-0.995; TE's table at those points +0.019 to +0.051 (0.82-0.96 -> 0.86-0.98). In
-# that 4 KiB tile the guess matters: without it (run 2) uniform lengths gained more
-# (+0.028-0.038) but lognormal and mixed ones lost (up to -0.033). Narrower tokens (one head
-# of d 128, two of d 64) lost in the plain tile (up to -0.54, float32 one head with the guess),
-# and keep the search tile. 8 warps instead of 4, bf16, angles from positions: on four H100
-# machines (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and 4096 packed
+# thd calls whose tiles search cu_seqlens for their tokens' sequences. A token (all its heads)
+# narrower than SEARCH_WIDE_TOKEN takes tiles of SEARCH_TILE_BYTES: more tokens per program,
+# more of their latency-bound searches in flight at once. Smaller tiles lost at one head of d 128
+# and two of d 64 (kernels alone, H200, artifacts/thd/narrow_tokens_ab_h200.log, run 2): 4 KiB
+# -0.05 to -0.07 of copy speed in bf16 and -0.11 at one head in float32 (two heads of d 64 in
+# float32 +0.02); 2 KiB -0.24 to -0.75.
+# A token of SEARCH_WIDE_TOKEN or more takes the plain TILE_BYTES tile (up to four tokens) with
+# the guessed window (SEARCH_GUESS), and with TE's table TABLE_WARPS warps. Kernels alone,
+# fraction of copy speed:
+# - 16 heads of d 128 (4 KiB tokens), angles from positions: bf16 0.94 -> 0.98 on the H200,
+#   0.97 -> 0.975 on the H100; float32 packed points 0.96-0.97 -> 0.995-1.004 / 0.990-1.003
+#   (artifacts/tiles/positions_rule_ab_h200_5.log, _h100_4.log). TE's table, 4 KiB in 2 warps
+#   against 8 KiB in 4, H200 (artifacts/thd/thd_table_wide_token_ab_h200.log): lognormal lengths
+#   bf16 0.913-0.919 -> 0.953-0.956, float32 about +0.02 at lognormal and mixed lengths and at 8
+#   heads;
+#   4 KiB in 4 warps, 16 KiB in 4 and 8 KiB in 2 lost; 16-bit tokens of 8 KiB keep the search
+#   tile (TABLE_SEARCH_TOKEN_16BIT).
+# - 8 and 4 heads of d 128 (2 and 1 KiB tokens in bf16; 4 heads in float32), H200
+#   (narrow_tokens_ab_h200.log, run 3): positions path at 8 heads in bf16, uniform and lognormal
+#   lengths, 0.956-0.964 -> 0.982-0.990; 4 heads of mixed lengths bf16 +0.006 / +0.008, float32
+#   0.972 -> 0.994; TE's table (2 warps) +0.019 to +0.051. Without the guess (run 2) uniform
+#   lengths gained more, and in bf16 lognormal and mixed ones lost up to 0.033.
+# Tokens of 256 and 512 bytes keep the search tile: in the plain 4 KiB tile with the guess
+# (positions path, run 2) one head of d 128 gained in bf16 (+0.011 / +0.022) and lost in float32
+# (-0.54), two heads of d 64 lost in bf16 (-0.11 / -0.12) and gained in float32 (+0.02); no
+# threshold of bytes separates them. Not measured: tokens between 2 and 4 KiB (12 heads of
+# d 128 in bf16), fp16 at 1-2 KiB, and any of it on the H100.
+SEARCH_TILE_BYTES = 8192
+SEARCH_WIDE_TOKEN = 1024
+# Search tiles with angles from positions take SEARCH_WARPS warps. 8 instead of 4, bf16: on four
+# H100 machines (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and 4096 packed
 # sequences of 64 and 32 tokens and lognormal lengths gained 0.003-0.013 (0.971-0.982 ->
 # 0.974-0.991); on the H200 (positions_rule_ab_h200.log) the same uniform sequences lost
-# 0.07-0.11 (0.947-0.955 -> 0.839-0.886). So 4. Not run on the H100 at 1 KiB.
-SEARCH_TILE_BYTES = 8192
+# 0.07-0.11 (0.947-0.955 -> 0.839-0.886).
 SEARCH_WARPS = 4
-SEARCH_WIDE_TOKEN = 1024
 # With TE's table, a token in a 16-bit dtype of TABLE_SEARCH_TOKEN_16BIT bytes or more (32
 # heads of d 128) keeps the search tile, which then holds the whole token: each sin/cos serves
 # all its heads, twice as many as in the plain tile. That won only in 16-bit dtypes (twice the
@@ -127,10 +130,12 @@ TABLE_SEARCH_TOKEN_16BIT = SEARCH_TILE_BYTES
 # against without (positions_rule_ab_h200_5.log, _h100_4.log): TE's table on the H200
 # +0.003-0.019 of copy speed at lognormal and mixed lengths and at float32 uniform ones,
 # -0.006 to +0.001 at bf16 uniform ones; on the H100 +0.001-0.005 at bf16 and float32 uniform
-# lengths; angles from positions in tiles of wide tokens up to +0.01 (float32). Not in search
-# tiles (of tokens under SEARCH_WIDE_TOKEN) with angles from positions: the VLM key (8 tokens
-# a tile) lost up to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log), and 8 heads of
-# d 128 in bf16 (4 tokens a tile) 0.001-0.007 (artifacts/thd/narrow_tokens_ab_h200.log, run 1).
+# lengths; angles from positions in tiles of wide tokens up to +0.01 (float32). Search tiles
+# with angles from positions go without: it cost the VLM key, when its tiles of 8 tokens
+# searched, up to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log), and 8 heads of d 128
+# in bf16, when they took 8 KiB search tiles, 0.000-0.007 (artifacts/thd/narrow_tokens_ab_h200.log,
+# run 1); the tokens under SEARCH_WIDE_TOKEN that keep search tiles have not been timed with it
+# in them.
 SEARCH_GUESS = True
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
@@ -146,9 +151,10 @@ QKV_TILE_BYTES = 8192
 # 0.951, Qwen2-VL's 28 query heads 0.889 -> 0.934 (packed: 0.819 -> 0.935), Llama 8B's and
 # 70B's query heads 0.930 -> 0.950 and 0.936 -> 0.960; H100 -1.4% to +0.9% at those points but
 # the packed one, 0.889 -> 0.960. At two heads (d 64) 2 warps lost on the H200 (0.668 ->
-# 0.550): each thread then works out more angles per byte it moves. Tiles that search
-# cu_seqlens take it only for wide tokens (SEARCH_TILE_BYTES): their 8 KiB tiles of several
-# tokens did not gain (0.965 -> 0.948 at 8 heads). Register caps (maxnreg 32) spilled.
+# 0.550): each thread then works out more angles per byte it moves. Search tiles of
+# cu_seqlens (tokens under SEARCH_WIDE_TOKEN) keep 4: in 2 warps their 8 KiB tiles of several
+# tokens did not gain (0.965 -> 0.948, timed when 8 heads of d 128 in bf16 took them).
+# Register caps (maxnreg 32) spilled.
 TABLE_WARPS = 2
 TABLE_WARPS_MIN_HEADS = 4
 # With a norm, a program holds a tile's loads until each row's sums are complete, and the
@@ -1556,9 +1562,9 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     if norm is not None:
         num_warps = _norm_warps(rule, tile, backward, positions_tile)
     elif searches and source.from_positions:
-        num_warps = rule.search_warps                   # SEARCH_TILE_BYTES says why
-    elif not source.from_positions and (
-            wide_token or (not searches and tile["BLOCK_H"] >= rule.table_warps_min_heads)):
+        num_warps = rule.search_warps                   # SEARCH_WARPS says why
+    elif (not source.from_positions and tile["BLOCK_H"] >= rule.table_warps_min_heads
+          and (wide_token or not searches)):
         num_warps = rule.table_warps                    # TABLE_WARPS says why
     token_blocks, head_programs = grid
     if k is not None:
