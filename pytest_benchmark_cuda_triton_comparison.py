@@ -4030,8 +4030,8 @@ def test_tiles_without_context_parallelism_fold_cp_size_away():
     """Without context parallelism (CONTEXT_PARALLEL off, cp_size 1) a tile has none of its
     arithmetic, which it would otherwise run whatever cp_size is (ptxas selects between the
     rank's position split and the plain position rather than branch): a thd search tile (4
-    tokens x 8 heads, 2048 sequences) without the division of its sequences' ends by cp_size (one
-    reciprocal fewer), both tiles with fewer instructions (Triton 3.6: thd 940 -> 814, the sbhd
+    tokens x 8 heads, 2048 sequences) without the division of its sequences' ends by cp_size
+    (one reciprocal fewer), both tiles with fewer instructions (Triton 3.6: thd 940 -> 814, the sbhd
     tile of 2 tokens x 8 heads of a batch of one 220 -> 183)."""
     thd = dict(BLOCK_T=4, BLOCK_H=8, SEQ_MAJOR=False, IS_THD=True, SEARCH_LEVELS=6)
     sbhd = dict(BLOCK_T=2, BLOCK_H=8, BATCH_OF_ONE=True)

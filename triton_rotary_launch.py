@@ -90,10 +90,9 @@ ONE_HEAD_TILE_BYTES = 2048
 #   0.97 -> 0.975 on the H100; float32 packed points 0.96-0.97 -> 0.995-1.004 / 0.990-1.003
 #   (artifacts/tiles/positions_rule_ab_h200_5.log, _h100_4.log). TE's table, 4 KiB in 2 warps
 #   against 8 KiB in 4, H200 (artifacts/thd/thd_table_wide_token_ab_h200.log): lognormal lengths
-#   bf16 0.913-0.919 -> 0.953-0.956, float32 about +0.02 at lognormal and mixed lengths and at 8
-#   heads;
-#   4 KiB in 4 warps, 16 KiB in 4 and 8 KiB in 2 lost; 16-bit tokens of 8 KiB keep the search
-#   tile (TABLE_SEARCH_TOKEN_16BIT).
+#   bf16 0.913-0.919 -> 0.953-0.956, float32 about +0.02 at lognormal and mixed lengths and at
+#   8 heads; 4 KiB in 4 warps, 16 KiB in 4 and 8 KiB in 2 lost; 16-bit tokens of 8 KiB keep the
+#   search tile (TABLE_SEARCH_TOKEN_16BIT).
 # - 8 and 4 heads of d 128 (2 and 1 KiB tokens in bf16; 4 heads in float32), H200
 #   (narrow_tokens_ab_h200.log, run 3): positions path at 8 heads in bf16, uniform and lognormal
 #   lengths, 0.956-0.964 -> 0.982-0.990; 4 heads of mixed lengths bf16 +0.006 / +0.008, float32
@@ -106,11 +105,11 @@ ONE_HEAD_TILE_BYTES = 2048
 # d 128 in bf16), fp16 at 1-2 KiB, and any of it on the H100.
 SEARCH_TILE_BYTES = 8192
 SEARCH_WIDE_TOKEN = 1024
-# Search tiles with angles from positions take SEARCH_WARPS warps. 8 instead of 4, bf16: on four
-# H100 machines (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and 4096 packed
-# sequences of 64 and 32 tokens and lognormal lengths gained 0.003-0.013 (0.971-0.982 ->
-# 0.974-0.991); on the H200 (positions_rule_ab_h200.log) the same uniform sequences lost
-# 0.07-0.11 (0.947-0.955 -> 0.839-0.886).
+# Tiles of calls that search, with angles from positions, take SEARCH_WARPS warps. 8 instead of 4,
+# bf16: on four H100 machines (positions_tiles_ab_h100*.log, positions_rule_ab_h100*.log) 2048 and
+# 4096 packed sequences of 64 and 32 tokens and lognormal lengths gained 0.003-0.013 (0.971-0.982 ->
+# 0.974-0.991); on the H200 (positions_rule_ab_h200.log) the same uniform sequences lost 0.07-0.11
+# (0.947-0.955 -> 0.839-0.886).
 SEARCH_WARPS = 4
 # With TE's table, a token in a 16-bit dtype of TABLE_SEARCH_TOKEN_16BIT bytes or more (32
 # heads of d 128) keeps the search tile, which then holds the whole token: each sin/cos serves
@@ -132,10 +131,10 @@ TABLE_SEARCH_TOKEN_16BIT = SEARCH_TILE_BYTES
 # -0.006 to +0.001 at bf16 uniform ones; on the H100 +0.001-0.005 at bf16 and float32 uniform
 # lengths; angles from positions in tiles of wide tokens up to +0.01 (float32). Search tiles
 # with angles from positions go without: it cost the VLM key, when its tiles of 8 tokens
-# searched, up to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log), and 8 heads of d 128
-# in bf16, when they took 8 KiB search tiles, 0.000-0.007 (artifacts/thd/narrow_tokens_ab_h200.log,
-# run 1); the tokens under SEARCH_WIDE_TOKEN that keep search tiles have not been timed with it
-# in them.
+# searched, up to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log), and 8 heads of
+# d 128 in bf16, when they took 8 KiB search tiles, 0.000-0.007
+# (artifacts/thd/narrow_tokens_ab_h200.log, run 1); the tokens under SEARCH_WIDE_TOKEN that
+# keep search tiles have not been timed with it in them.
 SEARCH_GUESS = True
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
