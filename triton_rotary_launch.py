@@ -1524,22 +1524,19 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     # were measured.
     lone = norm is None and k is None
     lone_search = searches and lone
-    # A norm covers every channel: a row of its tile is the whole head, and the channels past
-    # rotary_dim are written in place too.
-    if searches:
-        tile_bytes = rule.search_tile_bytes
-    elif lone and shape.nheads == 1:
-        tile_bytes = rule.one_head_tile_bytes           # ONE_HEAD_TILE_BYTES says why
-    else:
-        tile_bytes = rule.tile_bytes
     token_bytes = shape.nheads * shape.head_dim * t.element_size()
     # TE's table in a 16-bit dtype keeps search tiles for wide tokens (TABLE_SEARCH_TOKEN_16BIT)
     table_keeps_search = (not source.from_positions and t.element_size() == 2
                           and 0 < rule.table_search_token_16bit <= token_bytes)
     wide_token = (lone_search and 0 < rule.search_wide_token <= token_bytes
                   and not table_keeps_search)
-    if wide_token:
-        tile_bytes = rule.tile_bytes                    # SEARCH_TILE_BYTES says why
+    if searches:
+        # Wide tokens take the plain tile (SEARCH_TILE_BYTES says why).
+        tile_bytes = rule.tile_bytes if wide_token else rule.search_tile_bytes
+    elif lone and shape.nheads == 1:
+        tile_bytes = rule.one_head_tile_bytes           # ONE_HEAD_TILE_BYTES says why
+    else:
+        tile_bytes = rule.tile_bytes
     if norm_backward:
         tile_bytes = _norm_backward_tile_bytes(rule, source, shape.head_dim, t.element_size())
     positions_tile = (norm is not None and not backward
@@ -1553,6 +1550,8 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                       and 1 < shape.nheads <= rule.norm_pair_few_heads)
     if few_head_pairs and not source.from_positions:
         tile_bytes //= 2
+    # A norm covers every channel: a row of its tile is the whole head, and the channels past
+    # rotary_dim are written in place too.
     grid, tile = launch_config(
         shape, t.device, copy_pass=not in_place or norm is not None,
         element_size=t.element_size(), tile_bytes=tile_bytes, rule=rule,
