@@ -4485,10 +4485,15 @@ def test_module_angles_are_kept_while_the_module_is_the_same():
         apply_rotary_pos_emb(t, module)
 
 
-def _plans_without_launches_d16(monkeypatch):
-    """For tests that read plans: launches left out, and angle sources of 16 channels (the
-    module and its table of 64 positions)."""
+def _plans_without_launches(monkeypatch):
+    """For tests that read plans: every planned launch left out."""
     monkeypatch.setattr(triton_rotary_launch._Launch, "__call__", lambda launch, *args: None)
+
+
+def _plans_without_launches_d16(monkeypatch):
+    """`_plans_without_launches`, and angle sources of 16 channels (the module and its table
+    of 64 positions)."""
+    _plans_without_launches(monkeypatch)
     module = RotaryPositionEmbedding(16, device=DEVICE)
     return module, module(64)
 
@@ -4738,7 +4743,7 @@ def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
     tokens a tile), one of d 128 in float32 (512 bytes, 16) and three of d 128 in bf16 (768
     bytes, 8 tokens x 4 heads). Only the plans are read."""
     L = triton_rotary_launch
-    monkeypatch.setattr(L._Launch, "__call__", lambda launch, *args: None)
+    _plans_without_launches(monkeypatch)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
     tokens = 32768
     thd = dict(tensor_format="thd", cu_seqlens=torch.arange(0, tokens + 1, 64, dtype=torch.int32,
