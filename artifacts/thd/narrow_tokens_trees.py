@@ -85,14 +85,13 @@ VARIANTS = {
 
 
 def sources(rev):
-    """{file name: text} of REV's top-level files."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", rev], capture_output=True,
-                           text=True, check=True).stdout.split()
+    """{file name: text} of REV's top-level files (not its folders)."""
+    listing = subprocess.run(["git", "ls-tree", rev], capture_output=True, text=True,
+                             check=True).stdout
     files = {}
-    for name in names:
-        kind = subprocess.run(["git", "cat-file", "-t", f"{rev}:{name}"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        if kind == "blob":
+    for line in listing.splitlines():
+        meta, name = line.split("\t", 1)           # "<mode> <type> <object>\t<name>"
+        if meta.split()[1] == "blob":
             files[name] = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True,
                                          text=True, check=True).stdout
     return files
