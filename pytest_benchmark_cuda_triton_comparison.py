@@ -4124,6 +4124,26 @@ def test_thd_tiles_load_the_frequencies_before_the_search():
         assert sum(at < freqs_at for at in search_at) < len(search_at) / 2, loads
 
 
+def test_one_head_thd_tiles_load_the_frequencies_before_the_search():
+    """One-head search tiles of a packed batch with angles from positions, as the GPU's rule
+    plans them (SEARCH_GUESS_ONE_HEAD_TOKEN): 32 tokens of d 128 in bf16 with the guessed
+    window, forward and backward, and MLA's key (64 tokens of 32 interleaved pairs) issue all
+    their 128-bit loads, the tile's and the inverse frequencies', before the first load of
+    cu_seqlens (LDG.E.EL). Loaded where the angles are worked out, after the search, the
+    frequencies' loads came 800-2100 instructions after it (Triton 3.9)."""
+    one_head = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=64, SEQ_MAJOR=False, IS_THD=True,
+                    SEARCH_LEVELS=6, SEARCH_GUESS=True)
+    tiles = [one_head, dict(one_head, BACKWARD=True),
+             dict(one_head, BLOCK_T=64, BLOCK_HALF=32, INTERLEAVED=True)]
+    for tile, result in zip(tiles, _compile_tiles(*tiles)):
+        loads = list(zip(result["loads"], result["load_at"]))
+        vectors = [at for op, at in loads if op == "LDG.E.128"]
+        search = [at for op, at in loads if op == "LDG.E.EL"]
+        # the tile's 8 KiB over 128 threads: 4 vectors a thread, and the frequencies' 1 or 2
+        assert len(vectors) >= 5 and len(search) >= 12, (tile, loads)
+        assert max(vectors) < min(search), (tile, loads)
+
+
 def test_pipelined_tiles_compute_sin_cos_once_per_program():
     """In the software-pipelined backward of a norm (`_norm_backward_tiles`), where one-trip
     loops would keep Triton from pipelining, `_own_layout` keeps the angles from being
@@ -4693,8 +4713,9 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     always where that is 0; so does TE's table, except that its tokens in a 16-bit dtype of
     rule.table_search_token_16bit bytes or more keep search tiles. The guessed window
     (Variant.SEARCH_GUESS) is on where rule.search_guess says so for TE's table and for the
-    plain tiles of wide tokens, not for search tiles with angles from positions nor with a
-    norm. Only the plans are read."""
+    plain tiles of wide tokens, and for search tiles with angles from positions only where a
+    token is one head of rule.search_guess_one_head_token bytes or more; never with a norm.
+    Only the plans are read."""
     L = triton_rotary_launch
     module, table = _plans_without_launches_d16(monkeypatch)
     # A head is 16 float32 channels, 64 bytes: a token of 4 heads is 256 bytes.
@@ -4713,6 +4734,18 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
 
     assert tile(rule, wide, module) == (1, 4, True)            # 256-byte tokens: plain tiles
     assert tile(rule, narrow, module) == (8, 2, False)         # 128-byte tokens: 1024 bytes
+    # One head of 64 bytes: the guess from rule.search_guess_one_head_token = 64 bytes on, not
+    # at 128, nor at 0, nor at two heads (above) nor without rule.search_guess.
+    one_head = torch.randn(64, 1, 16, device=DEVICE)
+    one_head_rule = rule._replace(search_guess_one_head_token=64)
+    assert tile(one_head_rule, one_head, module) == (16, 1, True)
+    assert tile(one_head_rule._replace(search_guess_one_head_token=128), one_head,
+                module) == (16, 1, False)
+    assert tile(one_head_rule._replace(search_guess_one_head_token=0), one_head,
+                module) == (16, 1, False)
+    assert tile(one_head_rule._replace(search_guess=False), one_head, module) == (16, 1, False)
+    assert tile(one_head_rule, narrow, module) == (8, 2, False)
+    assert tile(one_head_rule, one_head, module, norm=norm)[2] is False
     assert tile(rule._replace(search_wide_token=0), wide, module) == (4, 4, False)
     assert tile(rule._replace(search_guess=False), wide, module) == (1, 4, False)
     assert tile(rule, wide, table) == (1, 4, True)
@@ -4733,15 +4766,17 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     assert tile(rule16._replace(table_search_token_16bit=64), wide, table) == (1, 4, True)
 
 
-def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
+def test_gpu_rule_tiles_and_guess_of_packed_tokens(monkeypatch):
     """Under the GPU's rule (132 SMs, as an H200), a packed call that searches cu_seqlens takes
     the plain 4 KiB tile with the guessed window where a token (all its heads) is 1 KiB or more,
     as SEARCH_WIDE_TOKEN's measurements have it: 8 heads of d 128 in bf16 (2 tokens a tile), 4
     heads in bf16 (4 tokens) and in float32 (2); TE's table there in 2 warps, but in 4 where the
     tile holds fewer than 4 heads (2 of d 256 in bf16). Narrower tokens keep 8 KiB search tiles,
-    with the guess only for TE's table: one head of d 128 and two of d 64 in bf16 (256 bytes, 32
-    tokens a tile), one of d 128 in float32 (512 bytes, 16) and three of d 128 in bf16 (768
-    bytes, 8 tokens x 4 heads). Only the plans are read."""
+    with the guess for TE's table and, as SEARCH_GUESS_ONE_HEAD_TOKEN's measurements have it,
+    for one head of 256 bytes or more: one head of d 128 in bf16 (256 bytes, 32 tokens a tile)
+    and in float32 (512 bytes, 16) take it; one of d 64 in bf16 (128 bytes; 32 tokens, the
+    tile halved for 4 programs per SM), two of d 64 in bf16 (256 bytes, 32) and three of d 128
+    in bf16 (768 bytes, 8 tokens x 4 heads) do not. Only the plans are read."""
     L = triton_rotary_launch
     _plans_without_launches(monkeypatch)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
@@ -4756,6 +4791,7 @@ def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
                                       (2, 256, torch.bfloat16, "2 x 256 bf16"),
                                       (1, 128, torch.bfloat16, "1 x 128 bf16"),
                                       (2, 64, torch.bfloat16, "2 x 64 bf16"),
+                                      (1, 64, torch.bfloat16, "1 x 64 bf16"),
                                       (1, 128, torch.float32, "1 x 128 fp32"),
                                       (3, 128, torch.bfloat16, "3 x 128 bf16")):
             t = torch.empty(tokens, heads, d, dtype=dtype, device=DEVICE)
@@ -4769,9 +4805,10 @@ def test_gpu_rule_packed_tokens_of_1_kib_take_plain_tiles(monkeypatch):
         ("4 x 128 bf16", "positions"): (4, 4, True, 4), ("4 x 128 bf16", "table"): (4, 4, True, 2),
         ("4 x 128 fp32", "positions"): (2, 4, True, 4), ("4 x 128 fp32", "table"): (2, 4, True, 2),
         ("2 x 256 bf16", "positions"): (4, 2, True, 4), ("2 x 256 bf16", "table"): (4, 2, True, 4),
-        ("1 x 128 bf16", "positions"): (32, 1, False, 4), ("1 x 128 bf16", "table"): (32, 1, True, 4),
+        ("1 x 128 bf16", "positions"): (32, 1, True, 4), ("1 x 128 bf16", "table"): (32, 1, True, 4),
         ("2 x 64 bf16", "positions"): (32, 2, False, 4), ("2 x 64 bf16", "table"): (32, 2, True, 4),
-        ("1 x 128 fp32", "positions"): (16, 1, False, 4), ("1 x 128 fp32", "table"): (16, 1, True, 4),
+        ("1 x 64 bf16", "positions"): (32, 1, False, 4), ("1 x 64 bf16", "table"): (32, 1, True, 4),
+        ("1 x 128 fp32", "positions"): (16, 1, True, 4), ("1 x 128 fp32", "table"): (16, 1, True, 4),
         ("3 x 128 bf16", "positions"): (8, 4, False, 4), ("3 x 128 bf16", "table"): (8, 4, True, 4),
     }, found
 

@@ -1319,14 +1319,17 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
     # Shapes are lists of constexprs: a Variant's fields are plain ints until bound so.
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    if cfg.ANGLES_FROM_POSITIONS and cfg.IS_THD and freqs is None:
+        # Loaded before the search of cu_seqlens: inside the loop below, ptxas issues
+        # this load only once the search's chain of dependent loads has returned (SASS
+        # instruction 473-594 of 776-957, Triton 3.6; 56-167 from here), and in one-head
+        # tiles, loaded with the angles, after the search's code. Kernels alone, fraction of
+        # copy speed, H200: packed batches of mixed and lognormal lengths, 16-32 heads,
+        # bf16/fp16, up to +0.02 (artifacts/thd/freqs_before_search_ab_h200.log); one head of
+        # d 128 in the search tile with the guessed window, bf16 0.82-0.83 -> 0.87-0.88,
+        # float32 0.95 -> 0.97-0.98 (artifacts/thd/narrow_tokens_guess_ab_h200.log, run 3).
+        freqs = _pair_frequencies(angles, positions, rotary_dim, cfg)
     if SHARED and cfg.PIPELINE_STAGES == 0:
-        if cfg.ANGLES_FROM_POSITIONS and cfg.IS_THD and freqs is None:
-            # Loaded before the search of cu_seqlens: inside the loop below, ptxas issues
-            # this load only once the search's chain of dependent loads has returned (SASS
-            # instruction 473-594 of 776-957, Triton 3.6; 56-167 from here). Kernels alone,
-            # packed batches of mixed and lognormal lengths, 16-32 heads, bf16/fp16, H200: up
-            # to +0.02 of a copy's speed (artifacts/thd/freqs_before_search_ab_h200.log).
-            freqs = _pair_frequencies(angles, positions, rotary_dim, cfg)
         in_seq = tok >= 0
         pos = tok.to(tl.int64)
         trips = 0

@@ -130,12 +130,20 @@ TABLE_SEARCH_TOKEN_16BIT = SEARCH_TILE_BYTES
 # +0.003-0.019 of copy speed at lognormal and mixed lengths and at float32 uniform ones,
 # -0.006 to +0.001 at bf16 uniform ones; on the H100 +0.001-0.005 at bf16 and float32 uniform
 # lengths; angles from positions in tiles of wide tokens up to +0.01 (float32). Search tiles
-# with angles from positions go without: it cost the VLM key, when its tiles of 8 tokens
-# searched, up to 0.037 on the H200 (positions_rule_ab_h200_2.log, _4.log), and 8 heads of
-# d 128 in bf16, when they took 8 KiB search tiles, 0.000-0.007
-# (artifacts/thd/narrow_tokens_ab_h200.log, run 1); the tokens under SEARCH_WIDE_TOKEN that
-# keep search tiles have not been timed with it in them.
+# with angles from positions go without, but for one head (below): it cost the VLM key, when
+# its tiles of 8 tokens searched, up to 0.037 on the H200 (positions_rule_ab_h200_2.log,
+# _4.log), and 8 heads of d 128 in bf16, when they took 8 KiB search tiles, 0.000-0.007
+# (artifacts/thd/narrow_tokens_ab_h200.log, run 1).
 SEARCH_GUESS = True
+# Search tiles with angles from positions whose tokens are one head of SEARCH_GUESS_ONE_HEAD_TOKEN
+# bytes or more read the guessed window too. Kernels alone, fraction of copy speed, with it against
+# without, H200 (artifacts/thd/narrow_tokens_guess_ab_h200.log, run 2): one head of d 128 in
+# 16 bits 0.714-0.760 -> 0.815-0.830 at uniform lengths of 32 and 64 and at lognormal ones,
+# float32 +0.003 to +0.019; one head of d 64 (MLA's key) in float32 +0.053 / +0.054 but in
+# 16 bits -0.007 to -0.010; two heads of d 64 in 16 bits -0.016 to -0.022, in float32 +0.000 to
+# +0.008. So one head from 256 bytes on; no rule of bytes alone separates these. Not measured:
+# one head of d 256 (512 bytes in 16 bits), anything on the H100.
+SEARCH_GUESS_ONE_HEAD_TOKEN = 256
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
@@ -347,6 +355,7 @@ class LaunchRule(NamedTuple):
     search_wide_token: int      # 0: never
     table_search_token_16bit: int   # 0: never
     search_guess: bool
+    search_guess_one_head_token: int    # 0: never
     qkv_tile_bytes: int
     table_warps: int
     table_warps_min_heads: int
@@ -370,7 +379,7 @@ class LaunchRule(NamedTuple):
 
 GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM,
                       SEARCH_TILE_BYTES, SEARCH_WARPS, SEARCH_WIDE_TOKEN, TABLE_SEARCH_TOKEN_16BIT,
-                      SEARCH_GUESS, QKV_TILE_BYTES,
+                      SEARCH_GUESS, SEARCH_GUESS_ONE_HEAD_TOKEN, QKV_TILE_BYTES,
                       TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NORM_WARPS, NORM_ONE_HEAD_WARPS,
                       NORM_POSITIONS_TILE_BYTES, NORM_POSITIONS_WARPS, NORM_POSITIONS_MAX_HEADS,
                       NORM_BACKWARD_ROWS, NORM_TABLE_BACKWARD_ROWS,
@@ -382,7 +391,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_P
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NUM_WARPS,
                               INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 1, 0, SEARCH_GUESS,
-                              INTERPRETER_TILE_BYTES,
+                              SEARCH_GUESS_ONE_HEAD_TOKEN, INTERPRETER_TILE_BYTES,
                               TABLE_WARPS, TABLE_WARPS_MIN_HEADS, NUM_WARPS, NUM_WARPS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 0,
                               INTERPRETER_NORM_ROWS, INTERPRETER_NORM_ROWS,
@@ -1530,6 +1539,11 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                           and 0 < rule.table_search_token_16bit <= token_bytes)
     wide_token = (lone_search and 0 < rule.search_wide_token <= token_bytes
                   and not table_keeps_search)
+    # The guessed window: TE's table and wide tokens (SEARCH_GUESS), one-head tokens
+    # (SEARCH_GUESS_ONE_HEAD_TOKEN).
+    guess = rule.search_guess and lone_search and (
+        wide_token or not source.from_positions
+        or (shape.nheads == 1 and 0 < rule.search_guess_one_head_token <= token_bytes))
     if searches:
         # Wide tokens take the plain tile (SEARCH_TILE_BYTES says why).
         tile_bytes = rule.tile_bytes if wide_token else rule.search_tile_bytes
@@ -1585,8 +1599,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   FLAT_GRID=flat_grid, IS_THD=is_thd,
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
-                  SEARCH_GUESS=(rule.search_guess and lone_search
-                                and (wide_token or not source.from_positions)),
+                  SEARCH_GUESS=guess,
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   SAVED_RSTD=norm is not None and norm.rstd is not None,
                   NORM_AFTER_ANGLES=(norm is not None and not backward

@@ -26,14 +26,21 @@ EXTRA_POINTS = {p["name"]: p for p in [
     dict(name="thd-16x2048-h32", layout="thd", seqs=16, seq_len=2048, heads=32, d=128),
     dict(name="sbhd-128K-h8", layout="sbhd", tokens=131072, heads=8, d=128),     # thd-2048x64-h8
     dict(name="sbhd-16K-h32", layout="sbhd", tokens=16384, heads=32, d=128),     # thd-mixed-16K-h32
-    # Packed tokens narrower than a search tile, beside thd-2048x64-h8 and thd-4096x32-h8:
-    # lengths that the search's guess misses, and fewer or smaller heads.
+    # Packed tokens narrower than a search tile, beside thd-2048x64-h8, thd-4096x32-h8 and
+    # thd-2048x64-h1: lengths that the search's guess misses, and fewer or smaller heads.
     dict(name="thd-lognormal-32K-h8", layout="thd", tokens=32768, min_len=8, max_len=4096,
          lognormal=(5.5, 1.0), seed=0, heads=8, d=128),
     dict(name="thd-mixed-64K-h4", layout="thd", tokens=65536, min_len=16, max_len=1024, seed=0,
          heads=4, d=128),
-    dict(name="thd-2048x64-h1", layout="thd", seqs=2048, seq_len=64, heads=1, d=128),
     dict(name="thd-4096x32-h2-d64", layout="thd", seqs=4096, seq_len=32, heads=2, d=64),
+    # One head per token (a TP 8 key, packed): sequence lengths and head dims beside the models
+    # point thd-2048x64-h1, and two heads at its sequence length.
+    dict(name="thd-4096x32-h1", layout="thd", seqs=4096, seq_len=32, heads=1, d=128),
+    dict(name="thd-lognormal-128K-h1", layout="thd", tokens=131072, min_len=8, max_len=4096,
+         lognormal=(5.5, 1.0), seed=0, heads=1, d=128),
+    dict(name="thd-MLA-k-2048x64", layout="thd", seqs=2048, seq_len=64, heads=1, d=64,
+         interleaved=True),
+    dict(name="thd-2048x64-h2-d64", layout="thd", seqs=2048, seq_len=64, heads=2, d=64),
 ]}
 
 
