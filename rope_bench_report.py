@@ -94,10 +94,11 @@ MODEL_POINTS = [
     dict(name="MLA-k-rope-128K", layout="sbhd", tokens=131072, heads=1, d=64, interleaved=True),
     dict(name="h2-d64-64K", layout="sbhd", tokens=65536, heads=2, d=64),
     # Packed batches: lognormal lengths (median e^5.5, about 245 tokens; SFT-like) over 16
-    # heads, and thousands of 32-token sequences.
+    # heads, thousands of 32-token sequences, and a TP 8 key packed (one head per token).
     dict(name="thd-lognormal-32K-h16", layout="thd", tokens=32768, min_len=8, max_len=4096,
          lognormal=(5.5, 1.0), seed=0, heads=16, d=128),
     dict(name="thd-4096x32-h8", layout="thd", seqs=4096, seq_len=32, heads=8, d=128),
+    dict(name="thd-2048x64-h1", layout="thd", seqs=2048, seq_len=64, heads=1, d=128),
 ]
 
 MODEL_POINT_BY_NAME = {p["name"]: p for p in MODEL_POINTS}
