@@ -4126,22 +4126,25 @@ def test_thd_tiles_load_the_frequencies_before_the_search():
 
 def test_one_head_thd_tiles_load_the_frequencies_before_the_search():
     """One-head search tiles of a packed batch with angles from positions, as the GPU's rule
-    plans them (SEARCH_GUESS_ONE_HEAD_TOKEN): 32 tokens of d 128 in bf16 with the guessed
-    window, forward and backward, and MLA's key (64 tokens of 32 interleaved pairs) issue all
-    their 128-bit loads, the tile's and the inverse frequencies', before the first load of
-    cu_seqlens (LDG.E.EL). Loaded where the angles are worked out, after the search, the
-    frequencies' loads came 800-2100 instructions after it (Triton 3.9)."""
+    plans them in bf16 (SEARCH_GUESS_ONE_HEAD_TOKEN): 32 tokens of d 128 with the guessed
+    window and MLA's key (64 tokens of 32 interleaved pairs) without it, forward and backward,
+    issue all their 128-bit loads, the tile's and the inverse frequencies', before the search
+    of cu_seqlens (loads evict_last): with the window before any of its loads, without it
+    after at most the two of the first token's checked guess. Loaded with the angles, after
+    the search's code, the frequencies' loads came after every load of cu_seqlens (Triton
+    3.9)."""
     one_head = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=64, SEQ_MAJOR=False, IS_THD=True,
                     SEARCH_LEVELS=6, SEARCH_GUESS=True)
-    tiles = [one_head, dict(one_head, BACKWARD=True),
-             dict(one_head, BLOCK_T=64, BLOCK_HALF=32, INTERLEAVED=True)]
+    mla = dict(one_head, BLOCK_T=64, BLOCK_HALF=32, INTERLEAVED=True, SEARCH_GUESS=False)
+    tiles = [one_head, dict(one_head, BACKWARD=True), mla, dict(mla, BACKWARD=True)]
     for tile, result in zip(tiles, _compile_tiles(*tiles)):
         loads = list(zip(result["loads"], result["load_at"]))
         vectors = [at for op, at in loads if op == "LDG.E.128"]
-        search = [at for op, at in loads if op == "LDG.E.EL"]
+        search = [at for op, at in loads if ".EL" in op]
         # the tile's 8 KiB over 128 threads: 4 vectors a thread, and the frequencies' 1 or 2
         assert len(vectors) >= 5 and len(search) >= 12, (tile, loads)
-        assert max(vectors) < min(search), (tile, loads)
+        ahead = sum(at < max(vectors) for at in search)
+        assert ahead <= (0 if tile["SEARCH_GUESS"] else 2), (tile, ahead, loads)
 
 
 def test_pipelined_tiles_compute_sin_cos_once_per_program():
@@ -4746,6 +4749,13 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     assert tile(one_head_rule._replace(search_guess=False), one_head, module) == (16, 1, False)
     assert tile(one_head_rule, narrow, module) == (8, 2, False)
     assert tile(one_head_rule, one_head, module, norm=norm)[2] is False
+    # Nor where q and k share the launch (one head each).
+    with L.use_launch_rule(one_head_rule):
+        L._PLANS.clear()
+        L.set_rotary_qk_kernel(one_head, one_head.clone(), module, **thd)
+        (pair,) = L._PLANS.values()
+    pair_cfg, _ = pair.launch.cfg                       # (cfg, k_cfg): k_cfg None here
+    assert pair_cfg.SEARCH_GUESS is False and pair_cfg.BLOCK_H == 1, pair_cfg
     assert tile(rule._replace(search_wide_token=0), wide, module) == (4, 4, False)
     assert tile(rule._replace(search_guess=False), wide, module) == (1, 4, False)
     assert tile(rule, wide, table) == (1, 4, True)
@@ -4774,9 +4784,10 @@ def test_gpu_rule_tiles_and_guess_of_packed_tokens(monkeypatch):
     tile holds fewer than 4 heads (2 of d 256 in bf16). Narrower tokens keep 8 KiB search tiles,
     with the guess for TE's table and, as SEARCH_GUESS_ONE_HEAD_TOKEN's measurements have it,
     for one head of 256 bytes or more: one head of d 128 in bf16 (256 bytes, 32 tokens a tile)
-    and in float32 (512 bytes, 16) take it; one of d 64 in bf16 (128 bytes; 32 tokens, the
-    tile halved for 4 programs per SM), two of d 64 in bf16 (256 bytes, 32) and three of d 128
-    in bf16 (768 bytes, 8 tokens x 4 heads) do not. Only the plans are read."""
+    and in float32 (512 bytes, 16) and one of d 64 in float32 (256 bytes, 32) take it; one of d 64
+    in bf16 (128 bytes; 32 tokens, the tile halved for 4 programs per SM), two of d 64 in bf16
+    (256 bytes, 32) and three of d 128 in bf16 (768 bytes, 8 tokens x 4 heads) do not. Only
+    the plans are read."""
     L = triton_rotary_launch
     _plans_without_launches(monkeypatch)
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
@@ -4792,6 +4803,7 @@ def test_gpu_rule_tiles_and_guess_of_packed_tokens(monkeypatch):
                                       (1, 128, torch.bfloat16, "1 x 128 bf16"),
                                       (2, 64, torch.bfloat16, "2 x 64 bf16"),
                                       (1, 64, torch.bfloat16, "1 x 64 bf16"),
+                                      (1, 64, torch.float32, "1 x 64 fp32"),
                                       (1, 128, torch.float32, "1 x 128 fp32"),
                                       (3, 128, torch.bfloat16, "3 x 128 bf16")):
             t = torch.empty(tokens, heads, d, dtype=dtype, device=DEVICE)
@@ -4808,6 +4820,7 @@ def test_gpu_rule_tiles_and_guess_of_packed_tokens(monkeypatch):
         ("1 x 128 bf16", "positions"): (32, 1, True, 4), ("1 x 128 bf16", "table"): (32, 1, True, 4),
         ("2 x 64 bf16", "positions"): (32, 2, False, 4), ("2 x 64 bf16", "table"): (32, 2, True, 4),
         ("1 x 64 bf16", "positions"): (32, 1, False, 4), ("1 x 64 bf16", "table"): (32, 1, True, 4),
+        ("1 x 64 fp32", "positions"): (32, 1, True, 4), ("1 x 64 fp32", "table"): (32, 1, True, 4),
         ("1 x 128 fp32", "positions"): (16, 1, True, 4), ("1 x 128 fp32", "table"): (16, 1, True, 4),
         ("3 x 128 bf16", "positions"): (8, 4, False, 4), ("3 x 128 bf16", "table"): (8, 4, True, 4),
     }, found

@@ -1319,15 +1319,20 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
     # Shapes are lists of constexprs: a Variant's fields are plain ints until bound so.
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
-    if cfg.ANGLES_FROM_POSITIONS and cfg.IS_THD and freqs is None:
-        # Loaded before the search of cu_seqlens: inside the loop below, ptxas issues
-        # this load only once the search's chain of dependent loads has returned (SASS
-        # instruction 473-594 of 776-957, Triton 3.6; 56-167 from here), and in one-head
-        # tiles, loaded with the angles, after the search's code. Kernels alone, fraction of
+    ONE_HEAD_SEARCH: tl.constexpr = (not SHARED and cfg.NORM == NO_NORM
+                                     and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS)
+    if (cfg.ANGLES_FROM_POSITIONS and cfg.IS_THD and freqs is None
+            and ((SHARED and cfg.PIPELINE_STAGES == 0) or ONE_HEAD_SEARCH)):
+        # Loaded before the search of cu_seqlens. Loaded inside the loop below (tiles of
+        # several heads), ptxas issues it only once the search's chain of dependent loads has
+        # returned (SASS instruction 473-594 of 776-957 of those tiles, Triton 3.6); loaded
+        # with the angles (one-head tiles), after the search's code. Kernels alone, fraction of
         # copy speed, H200: packed batches of mixed and lognormal lengths, 16-32 heads,
         # bf16/fp16, up to +0.02 (artifacts/thd/freqs_before_search_ab_h200.log); one head of
         # d 128 in the search tile with the guessed window, bf16 0.82-0.83 -> 0.87-0.88,
         # float32 0.95 -> 0.97-0.98 (artifacts/thd/narrow_tokens_guess_ab_h200.log, run 3).
+        # One-head tiles with a norm or with positions read from a tensor, not measured, load
+        # it with the angles.
         freqs = _pair_frequencies(angles, positions, rotary_dim, cfg)
     if SHARED and cfg.PIPELINE_STAGES == 0:
         in_seq = tok >= 0

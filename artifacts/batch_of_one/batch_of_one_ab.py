@@ -45,9 +45,18 @@ EXTRA_POINTS = {p["name"]: p for p in [
 
 
 def point(name):
-    """A models point or one of EXTRA_POINTS, by name (rope_bench_report from the tree imported)."""
+    """One of EXTRA_POINTS or a models point, by name: from the tree's rope_bench_report, or,
+    for a point added to `models` after the tree's commit, from this checkout's."""
     from rope_bench_report import MODEL_POINT_BY_NAME
-    return EXTRA_POINTS.get(name) or MODEL_POINT_BY_NAME[name]
+    if name in EXTRA_POINTS or name in MODEL_POINT_BY_NAME:
+        return EXTRA_POINTS.get(name) or MODEL_POINT_BY_NAME[name]
+    import importlib.util
+    checkout = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                            "rope_bench_report.py")
+    spec = importlib.util.spec_from_file_location("checkout_rope_bench_report", checkout)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    return report.MODEL_POINT_BY_NAME[name]
 
 
 def main():
