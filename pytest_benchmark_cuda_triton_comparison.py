@@ -4529,6 +4529,13 @@ def _plan_of_call(t, freqs, **options):
     return plan
 
 
+def _plans_of_qk_call(q, k, freqs, **options):
+    """The plans a set_rotary_qk_kernel call makes (the plans cleared first)."""
+    triton_rotary_launch._PLANS.clear()
+    triton_rotary_launch.set_rotary_qk_kernel(q, k, freqs, **options)
+    return list(triton_rotary_launch._PLANS.values())
+
+
 def test_norm_calls_take_the_norms_tiles_and_warps(monkeypatch):
     """A QK-norm forward takes the plain tile in rule.norm_warps warps, in
     rule.norm_one_head_warps where its tile holds one head; with angles from positions and 2
@@ -4647,10 +4654,8 @@ def test_table_and_search_tiles_take_their_warps(monkeypatch):
                 plan = _plan_of_call(t, freqs, backward=backward, **options)
                 found[(name, backward)] = plan.launch.num_warps
                 assert plan.launch.cfg.BLOCK_H == t.shape[-2], name
-        L._PLANS.clear()
         q, k = torch.randn(64, 1, 4, 16, device=DEVICE), torch.randn(64, 1, 1, 16, device=DEVICE)
-        L.set_rotary_qk_kernel(q, k, table)
-        found[("q, k, table", False)] = [p.launch.num_warps for p in L._PLANS.values()]
+        found[("q, k, table", False)] = [p.launch.num_warps for p in _plans_of_qk_call(q, k, table)]
     assert found == {
         ("4 heads, table", False): 2, ("4 heads, table", True): 2,
         ("4 heads, positions", False): 4, ("4 heads, positions", True): 4,
@@ -4698,9 +4703,8 @@ def test_one_head_tokens_take_the_one_head_tile(monkeypatch):
                     continue
                 plan = _plan_of_call(t, freqs, backward=backward, **options)
                 rows[name, backward] = plan.launch.cfg.BLOCK_T * plan.launch.cfg.BLOCK_H
-        L._PLANS.clear()
-        L.set_rotary_qk_kernel(one, one.clone(), module)
-        rows["q and k", False] = [p.launch.cfg[0].BLOCK_T for p in L._PLANS.values()]
+        rows["q and k", False] = [p.launch.cfg[0].BLOCK_T
+                                  for p in _plans_of_qk_call(one, one.clone(), module)]
     assert rows == {
         **{(name, backward): 2 for name in ("sbhd, table", "sbhd, positions", "bshd, positions",
                                             "thd, positions given") for backward in (False, True)},
@@ -4751,9 +4755,7 @@ def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):
     assert tile(one_head_rule, one_head, module, norm=norm)[2] is False
     # Nor where q and k share the launch (one head each).
     with L.use_launch_rule(one_head_rule):
-        L._PLANS.clear()
-        L.set_rotary_qk_kernel(one_head, one_head.clone(), module, **thd)
-        (pair,) = L._PLANS.values()
+        (pair,) = _plans_of_qk_call(one_head, one_head.clone(), module, **thd)
     pair_cfg, _ = pair.launch.cfg                       # (cfg, k_cfg): k_cfg None here
     assert pair_cfg.SEARCH_GUESS is False and pair_cfg.BLOCK_H == 1, pair_cfg
     assert tile(rule._replace(search_wide_token=0), wide, module) == (4, 4, False)
