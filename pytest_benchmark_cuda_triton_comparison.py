@@ -102,6 +102,7 @@ from triton_rotary_kernel import (
     _checked_sequence_guess,
     _guessed_sequences,
     _program_tokens,
+    _tile_in_one_sequence,
     _tile_sequences,
 )
 from triton_rotary_launch import set_rotary_kernel
@@ -3744,7 +3745,7 @@ def _tile_sequences_probe(cu_seqlens, SEQ, SEQ_START, SEQ_END, num_tokens, num_s
     seq, seq_start, seq_end = _tile_sequences(cu_seqlens, tl.program_id(0) * cfg.BLOCK_T,
                                               (tok.to(tl.int64) + 1) * cp_size, num_seqs,
                                               num_tokens, cp_size, cfg.SEARCH_LEVELS,
-                                              cfg.SEARCH_GUESS)
+                                              cfg.SEARCH_GUESS, cfg.SEARCH_ONE_SEQUENCE)
     tl.store(SEQ + tok, seq, mask=ok)
     tl.store(SEQ_START + tok, seq_start, mask=ok)
     tl.store(SEQ_END + tok, seq_end, mask=ok)
@@ -3772,10 +3773,23 @@ def _checked_sequence_guess_probe(cu_seqlens, HIT, GUESS, num_tokens, num_seqs, 
     """`_checked_sequence_guess` alone for tiles of BLOCK_T tokens: per tile, whether the
     check held and the guess."""
     first_tok = tl.program_id(0) * BLOCK_T
-    hit, g = _checked_sequence_guess(cu_seqlens, first_tok, (first_tok + 1).to(tl.int64) * cp_size,
-                                     num_seqs, num_tokens)
+    hit, g, _, _ = _checked_sequence_guess(cu_seqlens, first_tok, (first_tok + 1).to(tl.int64) * cp_size,
+                                           num_seqs, num_tokens)
     tl.store(HIT + tl.program_id(0), hit)
     tl.store(GUESS + tl.program_id(0), g)
+
+
+@triton.jit
+def _tile_in_one_sequence_probe(cu_seqlens, INSIDE, num_tokens, num_seqs, cp_size,
+                                BLOCK_T: tl.constexpr):
+    """`_tile_in_one_sequence` alone for tiles of BLOCK_T tokens, after the checked guess as
+    `_tile_sequences` makes it: per tile, whether the tile lies inside one sequence."""
+    first_tok = tl.program_id(0) * BLOCK_T
+    hit, _, _, g_end = _checked_sequence_guess(cu_seqlens, first_tok,
+                                               (first_tok + 1).to(tl.int64) * cp_size, num_seqs,
+                                               num_tokens)
+    tl.store(INSIDE + tl.program_id(0),
+             _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size, BLOCK_T))
 
 
 def _lengths_cu(lengths, start=0):
@@ -3832,20 +3846,23 @@ def _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected, to
     assert seq_end.tolist() == cu[(expected + 1).clamp(max=num_seqs)].tolist()
 
 
+@pytest.mark.parametrize("one_sequence", [False, True])
 @pytest.mark.parametrize("guess", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("case", list(_TILE_SEARCH_CASES))
-def test_tile_sequence_search_matches_searchsorted(case, index_dtype, guess):
+def test_tile_sequence_search_matches_searchsorted(case, index_dtype, guess, one_sequence):
     """Each token's sequence (the last i with cu[i] // cp_size <= token, 0 if none) and its
     bounds, whether the tile's tokens come from the vector after the first token's sequence
-    or (many sequence ends in one tile) from a search of their own, and with SEARCH_GUESS,
-    from the guessed window where it holds them."""
+    or (many sequence ends in one tile) from a search of their own, with SEARCH_GUESS from
+    the guessed window where it holds them, and with SEARCH_ONE_SEQUENCE from the first
+    token's sequence where the tile lies inside it."""
     cu_seqlens, num_seqs, num_tokens, cp_size, block_t, (seq, seq_start, seq_end), expected = (
         _sequence_search_case(case, index_dtype))
     cfg = Variant(BLOCK_T=block_t, BLOCK_H=1, BLOCK_HALF=1, BLOCK_PASS=0, INTERLEAVED=False,
                   BACKWARD=False, SEQ_MAJOR=True, HAS_START=False, WIDE_INNER=False,
                   ANGLES_FROM_POSITIONS=False, POSITIONS_FROM=0, FLAT_GRID=False, IS_THD=True,
-                  SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs), SEARCH_GUESS=guess)
+                  SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs), SEARCH_GUESS=guess,
+                  SEARCH_ONE_SEQUENCE=one_sequence)
     _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
         cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, cfg)
     _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected)
@@ -3896,6 +3913,37 @@ def test_checked_sequence_guess(case, every_tile_hits):
     assert bool(hit.all()) == every_tile_hits and hit.any(), hit
     first = expected[::block_t]                    # each tile's first token's sequence
     assert guess[hit.bool()].tolist() == first[hit.bool()].tolist()
+
+
+@pytest.mark.parametrize("case,inside_tiles", [
+    ("long sequences", "all"), ("one length, context parallel", "all"), ("one-token tiles", "some"),
+    ("tokens before and after", "some"), ("short and empty sequences", "none"),
+    ("one-token sequences, 64-token tiles", "none")])
+def test_tiles_inside_one_sequence_take_it_without_a_search(case, inside_tiles):
+    """`_tile_sequences` takes a tile's sequence for all its tokens, searching none, where
+    `_tile_in_one_sequence` says the tile lies inside it: at every tile where sequences are of
+    one length, longer than tiles and aligned with them (with context parallelism too); at
+    some tiles where lengths differ (the checked guess of the first token's sequence misses
+    some tiles, one-token tiles too) or tokens lie before and after the sequences; at none
+    where every tile spans several sequences (or an empty one); and wherever it says so, every real token of the tile is
+    in that sequence by searchsorted (a tail tile's included)."""
+    cu_seqlens, num_seqs, num_tokens, cp_size, block_t, _, expected = _sequence_search_case(
+        case, torch.int32)
+    tiles = triton.cdiv(num_tokens, block_t)
+    inside = torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE)
+    _tile_in_one_sequence_probe[(tiles,)](cu_seqlens, inside, num_tokens, num_seqs, cp_size,
+                                          block_t)
+    inside = inside.cpu()
+    assert set(inside.tolist()) <= {0, 1}
+    assert {"all": bool(inside.all()), "some": bool(inside.any()) and not inside.all(),
+            "none": not inside.any()}[inside_tiles], inside
+    local_cu = torch.tensor(_TILE_SEARCH_CASES[case][0]) // cp_size
+    for tile in inside.nonzero().flatten().tolist():
+        tile_seqs = expected[tile * block_t:(tile + 1) * block_t]
+        first = int(tile_seqs[0])
+        assert (tile_seqs == first).all(), (tile, tile_seqs)
+        tokens = torch.arange(tile * block_t, min((tile + 1) * block_t, num_tokens))
+        assert ((local_cu[first] <= tokens) & (tokens < local_cu[first + 1])).all(), tile
 
 
 @pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
@@ -4711,6 +4759,75 @@ def test_one_head_tokens_take_the_one_head_tile(monkeypatch):
         ("two heads", False): 8, ("two heads", True): 8, ("norm", False): 8,
         ("thd search", False): 4, ("thd search", True): 4, ("q and k", False): [8],
     }, rows
+
+
+def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkeypatch):
+    """With the launch rule's search_one_sequence (SEARCH_ONE_SEQUENCE, off by default), thd
+    calls that search cu_seqlens plan Variant.SEARCH_ONE_SEQUENCE, and their results are bit
+    for bit those of the rule without it, both paths, forward and backward, in tiles of one
+    head and of two, in pair tiles of q and k, and the forward of a norm, at lengths where
+    small tiles lie inside one sequence, lengths where they do not, and tokens outside every
+    sequence; calls whose
+    positions come from a tensor, or that go without a search, never plan it; and the
+    launches it plans (the GPU rule's, one head of d 128 packed as thd-2048x64-h1 is) compile
+    for sm_90."""
+    L = triton_rotary_launch
+    torch.manual_seed(67)
+    module = RotaryPositionEmbedding(16, device=DEVICE)
+    table = module(40)
+    # Tiles of 512 bytes: 8 tokens of one head of 16 float32 channels, 4 of two heads.
+    small = L.launch_rule()._replace(tile_bytes=512, search_tile_bytes=512, min_programs_per_sm=0)
+    on = small._replace(search_one_sequence=True)
+    assert not L.GPU_RULE.search_one_sequence and not L.launch_rule().search_one_sequence
+    norm = L.RMSNorm(torch.randn(16, device=DEVICE), 1e-6, 0.0, "head")
+    cases = {"uniform": [0, 8, 16, 24, 32, 40], "mixed": [0, 3, 11, 12, 12, 29, 40],
+             "outside": [2, 10, 18, 26, 33]}
+    forward, backward, normed = dict(backward=False), dict(backward=True), dict(norm=norm)
+    calls = [(1, module, forward), (1, module, backward), (1, table, forward), (1, table, backward),
+             (2, module, forward), (2, table, backward), (1, module, normed), (2, table, normed)]
+    for name, cu in cases.items():
+        thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cu))
+        for heads, freqs, options in calls:
+            t = torch.randn(44, heads, 16, device=DEVICE)
+            results = {}
+            for rule in (small, on):
+                with L.use_launch_rule(rule):
+                    plan = _plan_of_call(t, freqs, **options, **thd)
+                    results[rule.search_one_sequence] = L.set_rotary_kernel(t, freqs, **options,
+                                                                            **thd)
+                assert plan.launch.cfg.SEARCH_ONE_SEQUENCE is rule.search_one_sequence
+            assert torch.equal(results[True], results[False]), (name, heads, options)
+    # q (2 heads) and k (1) in one launch of pair tiles.
+    q, k = torch.randn(44, 2, 16, device=DEVICE), torch.randn(44, 1, 16, device=DEVICE)
+    thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cases["mixed"]))
+    pairs = {}
+    for rule in (small, on):
+        with L.use_launch_rule(rule):
+            (plan,) = _plans_of_qk_call(q, k, module, **thd)
+            pairs[rule.search_one_sequence] = L.set_rotary_qk_kernel(q, k, module, **thd)
+        assert plan.launch.cfg[0].SEARCH_ONE_SEQUENCE is rule.search_one_sequence
+    assert all(map(torch.equal, pairs[True], pairs[False]))
+    with L.use_launch_rule(on):
+        t = torch.randn(40, 2, 16, device=DEVICE)
+        positions = int_tensor(list(range(40)))
+        assert not _plan_of_call(t, module, tensor_format="thd",
+                                 positions=positions).launch.cfg.SEARCH_ONE_SEQUENCE
+        assert not _plan_of_call(torch.randn(8, 5, 2, 16, device=DEVICE),
+                                 module).launch.cfg.SEARCH_ONE_SEQUENCE
+    records = []
+    monkeypatch.setattr(L._Launch, "__call__",
+                        lambda launch, *args: records.append(_launch_record(launch, args)))
+    monkeypatch.setattr(L, "_sm_count", lambda device: 132)
+    t = torch.randn(2048 * 64, 1, 128, dtype=torch.bfloat16, device=DEVICE)
+    cu = int_tensor([64 * i for i in range(2049)])
+    with L.use_launch_rule(L.GPU_RULE._replace(search_one_sequence=True)):
+        for freqs in (RotaryPositionEmbedding(128, device=DEVICE), RotaryPositionEmbedding(128, device=DEVICE)(64)):
+            set_rotary_kernel(t, freqs, tensor_format="thd", cu_seqlens=cu)
+    flag = Variant._fields.index("SEARCH_ONE_SEQUENCE")
+    assert [r["constexprs"][0]["fields"][flag] for r in records] == [True, True], records
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(records))
+    assert _run_probe("--launches", str(path)) == [{"ok": True}] * 2
 
 
 def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):

@@ -213,6 +213,8 @@ class Variant(NamedTuple):
     #                                   before it (launcher: _overlapped)
     BATCH_OF_ONE: bool = False  # sbhd or bshd of batch 1: a token's index is its sequence index
     CONTEXT_PARALLEL: bool = False  # cp_size > 1: positions of TE's load-balanced split
+    SEARCH_ONE_SEQUENCE: bool = False  # thd: a tile inside its first token's sequence takes it
+    #                                    without a search (`_tile_in_one_sequence`)
 
 
 class TileInputs(NamedTuple):
@@ -416,6 +418,8 @@ class PositionsTile(NamedTuple):
     IS_THD: bool = True
     SEARCH_GUESS: bool = False  # off: the pre-pass never reads the guessed window (not measured there)
     CONTEXT_PARALLEL: bool = False  # as Variant's
+    SEARCH_ONE_SEQUENCE: bool = False  # off: its tiles of SEQUENCE_POSITIONS_BLOCK tokens
+    #                                    seldom lie inside one sequence (not measured)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -1111,7 +1115,8 @@ def _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, c
         batch_idx, seq_start, seq_end = _tile_sequences(positions.cu_seqlens, first_tok,
                                                         next_start, num_seqs,
                                                         tokens.num_tokens, cp_size,
-                                                        cfg.SEARCH_LEVELS, cfg.SEARCH_GUESS)
+                                                        cfg.SEARCH_LEVELS, cfg.SEARCH_GUESS,
+                                                        cfg.SEARCH_ONE_SEQUENCE)
         seq_start = (seq_start // cp_size).to(tl.int64)
         seq_end = (seq_end // cp_size).to(tl.int64)
         # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
@@ -1147,12 +1152,52 @@ GUESS_BEFORE = tl.constexpr(8)
 
 @triton.jit
 def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_size,
-                    SEARCH_LEVELS: tl.constexpr, SEARCH_GUESS: tl.constexpr):
+                    SEARCH_LEVELS: tl.constexpr, SEARCH_GUESS: tl.constexpr,
+                    ONE_SEQUENCE: tl.constexpr):
     """(sequence index, cu[index], cu[index + 1]) of each of a tile's consecutive tokens: the
     last i in [0, num_seqs] with cu[i] < next_start (0 when there is none).
 
-    With SEARCH_GUESS, from one load where `_guessed_sequences` finds them all, else (and
-    without it) by `_searched_sequences`."""
+    With ONE_SEQUENCE, a tile that lies inside its first token's sequence
+    (`_tile_in_one_sequence`) takes that sequence for every token and searches none; the
+    other tiles, and every tile without it, take `_guessed_or_searched_sequences`."""
+    if ONE_SEQUENCE:
+        hit, g, g_start, g_end = _checked_sequence_guess(
+            cu_seqlens, first_tok, (first_tok + 1).to(tl.int64) * cp_size, num_seqs, num_tokens)
+        seq = tl.zeros(next_start.shape, tl.int32) + g
+        seq_start = tl.zeros(next_start.shape, g_start.dtype) + g_start
+        seq_end = tl.zeros(next_start.shape, g_end.dtype) + g_end
+        if _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size,
+                                 next_start.shape[0]) == 0:
+            seq, seq_start, seq_end = _guessed_or_searched_sequences(
+                cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_size, SEARCH_LEVELS,
+                SEARCH_GUESS)
+    else:
+        seq, seq_start, seq_end = _guessed_or_searched_sequences(
+            cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_size, SEARCH_LEVELS,
+            SEARCH_GUESS)
+    return seq, seq_start, seq_end
+
+
+@triton.jit
+def _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size, BLOCK_T: tl.constexpr):
+    """1 (int32) where every real token of the tile of BLOCK_T tokens from first_tok lies in
+    the first token's sequence g that `_checked_sequence_guess` found (hit, so cu[g] <
+    (first_tok + 1) * cp_size): the tile's last real token t has (t + 1) * cp_size <= g_end =
+    cu[g + 1], so that g is the last i with cu[i] < next_start for every token between
+    (cu_seqlens is non-decreasing); else 0. The real tokens end before min(first_tok +
+    BLOCK_T, num_tokens), and a clamped token repeats the last. Scalars only: no per-token
+    work, where the guessed window (`_guessed_sequences`) compares every token with
+    GUESS_WINDOW entries."""
+    last_next = tl.minimum(first_tok + BLOCK_T, num_tokens).to(tl.int64) * cp_size
+    return hit & (g_end >= last_next).to(tl.int32)
+
+
+@triton.jit
+def _guessed_or_searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens,
+                                   cp_size, SEARCH_LEVELS: tl.constexpr,
+                                   SEARCH_GUESS: tl.constexpr):
+    """`_tile_sequences`' answer for any tile: with SEARCH_GUESS, from one load where
+    `_guessed_sequences` finds them all, else (and without it) by `_searched_sequences`."""
     if SEARCH_GUESS:
         found, seq, seq_start, seq_end = _guessed_sequences(cu_seqlens, first_tok, next_start,
                                                             num_seqs, num_tokens)
@@ -1214,8 +1259,8 @@ def _searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens,
     # On one H200 the checked guess gains 0.004-0.011 of copy speed at packed batches of one
     # length (0.947-0.960 without it; positions path, 16-bit) and moves no other models point
     # by more than 0.006 (artifacts/tiles/context_parallel_ab_h200.log, run 2).
-    hit, first = _checked_sequence_guess(cu_seqlens, first_tok, first_next, num_seqs,
-                                         num_tokens)
+    hit, first, _, _ = _checked_sequence_guess(cu_seqlens, first_tok, first_next, num_seqs,
+                                               num_tokens)
     if hit == 0:
         first = _first_sequence(cu_seqlens, first_next, num_seqs, SEARCH_LEVELS)
     j = tl.arange(0, TILE_SCAN)
@@ -1240,18 +1285,18 @@ def _searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens,
 
 @triton.jit
 def _checked_sequence_guess(cu_seqlens, first_tok, first_next, num_seqs, num_tokens):
-    """(hit, g): g is the first token's sequence were every sequence of one length, its index
-    times num_seqs / num_tokens, taken at the token's middle (+ 0.5) so that float32 rounding
-    cannot put a sequence's first token in the one before (below about 2^22 tokens; past
-    that a miss only costs the search). hit (int32, 0 or 1): cu[g] < first_next <= cu[g + 1],
-    which makes g `_first_sequence`'s answer whatever the lengths. Two loads, both inside
-    cu_seqlens (num_seqs >= 1)."""
+    """(hit, g, cu[g], cu[g + 1]): g is the first token's sequence were every sequence of one
+    length, its index times num_seqs / num_tokens, taken at the token's middle (+ 0.5) so
+    that float32 rounding cannot put a sequence's first token in the one before (below about
+    2^22 tokens; past that a miss only costs the search). hit (int32, 0 or 1): cu[g] <
+    first_next <= cu[g + 1], which makes g `_first_sequence`'s answer whatever the lengths.
+    Two loads, both inside cu_seqlens (num_seqs >= 1)."""
     g = ((first_tok.to(tl.float32) + 0.5) * (num_seqs.to(tl.float32) / num_tokens.to(tl.float32))
          ).to(tl.int32)
     g = tl.minimum(tl.maximum(g, 0), num_seqs - 1)
     g_start = tl.load(cu_seqlens + g, eviction_policy="evict_last")
     g_end = tl.load(cu_seqlens + g + 1, eviction_policy="evict_last")
-    return ((g_start < first_next) & (g_end >= first_next)).to(tl.int32), g
+    return ((g_start < first_next) & (g_end >= first_next)).to(tl.int32), g, g_start, g_end
 
 
 @triton.jit

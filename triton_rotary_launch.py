@@ -144,6 +144,18 @@ SEARCH_GUESS = True
 # +0.008. So one head from 256 bytes on; no rule of bytes alone separates these. Not measured:
 # one head of d 256 (512 bytes in 16 bits), anything on the H100.
 SEARCH_GUESS_ONE_HEAD_TOKEN = 256
+# thd tiles that lie inside their first token's sequence can take it without a search
+# (`_tile_in_one_sequence`): the checked guess's two loads decide it for the whole tile, and
+# its tokens skip the per-token compares of the guessed window or the search. Off until it is
+# timed on a GPU (artifacts/thd/one_sequence_ab.sh): what it changes is only counted so far.
+# SASS of the GPU rule's launches at thd-2048x64-h1 (sequences of 64 tokens, one head of
+# d 128), Triton 3.7.1, sm_90, the code a tile inside one sequence runs, in warp instructions
+# per token: bf16 118 -> 82 with angles from positions (the sbhd tile of such tokens, which
+# searches nothing, takes 87) and 238 -> 202 with TE's table (sbhd: 214); float32 142 -> 83
+# and 252 -> 199; 8 heads in bf16 -39% and -24% per tile. The whole kernel is 3-23
+# instructions longer (artifacts/thd/one_sequence_sass.txt). Off, these launches compile to
+# the SASS of a kernel without the branch.
+SEARCH_ONE_SEQUENCE = False
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
@@ -375,6 +387,7 @@ class LaunchRule(NamedTuple):
     norm_pair_few_heads: int
     norm_pair_exact_max_heads: int
     qk_norm_overlap: bool
+    search_one_sequence: bool
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM,
@@ -387,7 +400,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_P
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
-                      QK_NORM_OVERLAP)
+                      QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NUM_WARPS,
                               INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 1, 0, SEARCH_GUESS,
@@ -398,7 +411,7 @@ INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NU
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
                               QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
-                              NORM_PAIR_EXACT_MAX_HEADS, QK_NORM_OVERLAP)
+                              NORM_PAIR_EXACT_MAX_HEADS, QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE)
 _RULE_OVERRIDE = [None]
 
 
@@ -1599,7 +1612,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   FLAT_GRID=flat_grid, IS_THD=is_thd,
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
-                  SEARCH_GUESS=guess,
+                  SEARCH_GUESS=guess, SEARCH_ONE_SEQUENCE=searches and rule.search_one_sequence,
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   SAVED_RSTD=norm is not None and norm.rstd is not None,
                   NORM_AFTER_ANGLES=(norm is not None and not backward
