@@ -4788,7 +4788,9 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     for name, cu in cases.items():
         thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cu))
         for heads, freqs, options in calls:
-            t = torch.randn(44, heads, 16, device=DEVICE)
+            # No tokens past the sequences but where the case puts them, so that the guess
+            # of uniform lengths hits.
+            t = torch.randn(44 if name == "outside" else cu[-1], heads, 16, device=DEVICE)
             results = {}
             for rule in (small, on):
                 with L.use_launch_rule(rule):
@@ -4798,8 +4800,8 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
                 assert plan.launch.cfg.SEARCH_ONE_SEQUENCE is rule.search_one_sequence
             assert torch.equal(results[True], results[False]), (name, heads, options)
     # q (2 heads) and k (1) in one launch of pair tiles.
-    q, k = torch.randn(44, 2, 16, device=DEVICE), torch.randn(44, 1, 16, device=DEVICE)
-    thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cases["mixed"]))
+    q, k = torch.randn(40, 2, 16, device=DEVICE), torch.randn(40, 1, 16, device=DEVICE)
+    thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cases["uniform"]))
     pairs = {}
     for rule in (small, on):
         with L.use_launch_rule(rule):
@@ -4807,6 +4809,13 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
             pairs[rule.search_one_sequence] = L.set_rotary_qk_kernel(q, k, module, **thd)
         assert plan.launch.cfg[0].SEARCH_ONE_SEQUENCE is rule.search_one_sequence
     assert all(map(torch.equal, pairs[True], pairs[False]))
+    # The uniform case's tiles (8 tokens of one head, 4 of two) all take the shortcut, so the
+    # comparisons above ran it.
+    for block_t in (8, 4):
+        inside = torch.full((40 // block_t,), -1, dtype=torch.int32, device=DEVICE)
+        _tile_in_one_sequence_probe[(40 // block_t,)](int_tensor(cases["uniform"]), inside, 40, 5, 1,
+                                                      block_t)
+        assert inside.cpu().tolist() == [1] * (40 // block_t), (block_t, inside)
     with L.use_launch_rule(on):
         t = torch.randn(40, 2, 16, device=DEVICE)
         positions = int_tensor(list(range(40)))

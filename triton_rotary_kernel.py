@@ -419,7 +419,8 @@ class PositionsTile(NamedTuple):
     SEARCH_GUESS: bool = False  # off: the pre-pass never reads the guessed window (not measured there)
     CONTEXT_PARALLEL: bool = False  # as Variant's
     SEARCH_ONE_SEQUENCE: bool = False  # off: its tiles of SEQUENCE_POSITIONS_BLOCK tokens
-    #                                    seldom lie inside one sequence (not measured)
+    #                                    would seldom lie inside one sequence (neither counted
+    #                                    nor measured)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])

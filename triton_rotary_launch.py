@@ -153,8 +153,8 @@ SEARCH_GUESS_ONE_HEAD_TOKEN = 256
 # per token: bf16 118 -> 82 with angles from positions (the sbhd tile of such tokens, which
 # searches nothing, takes 87) and 238 -> 202 with TE's table (sbhd: 214); float32 142 -> 83
 # and 252 -> 199; 8 heads in bf16 -39% and -24% per tile. The whole kernel is 3-23
-# instructions longer (artifacts/thd/one_sequence_sass.txt). Off, these launches compile to
-# the SASS of a kernel without the branch.
+# instructions longer. Off, these launches compile to the SASS of a kernel without the
+# branch (both in artifacts/thd/one_sequence_sass.txt).
 SEARCH_ONE_SEQUENCE = False
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
