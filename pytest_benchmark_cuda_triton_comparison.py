@@ -3925,8 +3925,9 @@ def test_tiles_inside_one_sequence_take_it_without_a_search(case, inside_tiles):
     one length, longer than tiles and aligned with them (with context parallelism too); at
     some tiles where lengths differ (the checked guess of the first token's sequence misses
     some tiles, one-token tiles too) or tokens lie before and after the sequences; at none
-    where every tile spans several sequences (or an empty one); and wherever it says so, every real token of the tile is
-    in that sequence by searchsorted (a tail tile's included)."""
+    where every tile spans several sequences (or an empty one); and wherever it says so,
+    every real token of the tile is in that sequence by searchsorted (a tail tile's
+    included)."""
     cu_seqlens, num_seqs, num_tokens, cp_size, block_t, _, expected = _sequence_search_case(
         case, torch.int32)
     tiles = triton.cdiv(num_tokens, block_t)
@@ -4767,10 +4768,9 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     for bit those of the rule without it, both paths, forward and backward, in tiles of one
     head and of two, in pair tiles of q and k, and the forward of a norm, at lengths where
     small tiles lie inside one sequence, lengths where they do not, and tokens outside every
-    sequence; calls whose
-    positions come from a tensor, or that go without a search, never plan it; and the
-    launches it plans (the GPU rule's, one head of d 128 packed as thd-2048x64-h1 is) compile
-    for sm_90."""
+    sequence; calls whose positions come from a tensor, or that go without a search, never
+    plan it; and the launches it plans (the GPU rule's, one head of d 128 packed as
+    thd-2048x64-h1 is) compile for sm_90."""
     L = triton_rotary_launch
     torch.manual_seed(67)
     module = RotaryPositionEmbedding(16, device=DEVICE)
@@ -4830,7 +4830,8 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     t = torch.randn(2048 * 64, 1, 128, dtype=torch.bfloat16, device=DEVICE)
     cu = int_tensor([64 * i for i in range(2049)])
     with L.use_launch_rule(L.GPU_RULE._replace(search_one_sequence=True)):
-        for freqs in (RotaryPositionEmbedding(128, device=DEVICE), RotaryPositionEmbedding(128, device=DEVICE)(64)):
+        module_128 = RotaryPositionEmbedding(128, device=DEVICE)
+        for freqs in (module_128, module_128(64)):
             set_rotary_kernel(t, freqs, tensor_format="thd", cu_seqlens=cu)
     flag = Variant._fields.index("SEARCH_ONE_SEQUENCE")
     assert [r["constexprs"][0]["fields"][flag] for r in records] == [True, True], records
