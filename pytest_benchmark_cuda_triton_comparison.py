@@ -4763,52 +4763,59 @@ def test_one_head_tokens_take_the_one_head_tile(monkeypatch):
 
 
 def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkeypatch):
-    """With the launch rule's search_one_sequence (SEARCH_ONE_SEQUENCE, off by default), thd
-    calls that search cu_seqlens plan Variant.SEARCH_ONE_SEQUENCE, and their results are bit
-    for bit those of the rule without it, both paths, forward and backward, in tiles of one
-    head and of two, in pair tiles of q and k, and the forward of a norm, at lengths where
-    small tiles lie inside one sequence, lengths where they do not, and tokens outside every
-    sequence; calls whose positions come from a tensor, or that go without a search, never
-    plan it; and the launches it plans (the GPU rule's, one head of d 128 packed as
-    thd-2048x64-h1 is) compile for sm_90."""
+    """The launch rule's search_one_sequence (SEARCH_ONE_SEQUENCE, on in both rules) plans
+    Variant.SEARCH_ONE_SEQUENCE for lone thd calls of narrow tokens that search cu_seqlens:
+    with angles from positions where they go without the guessed window, with TE's table at
+    one head. Their results are bit for bit those of the rule without it, forward and
+    backward, in tiles of one head and of two, at lengths where small tiles lie inside one
+    sequence, lengths where they do not, and tokens outside every sequence. TE's table at two
+    heads, the forward of a norm, pair tiles of q and k, calls whose positions come from a
+    tensor and calls without a search never plan it. The GPU rule plans it for one head of d 64
+    (MLA's key's width; angles from positions) and one head of d 128 with TE's table, not for that head with
+    angles from positions (the guessed window) nor for 8 heads (wide tokens), and the launches
+    it plans compile for sm_90."""
     L = triton_rotary_launch
     torch.manual_seed(67)
     module = RotaryPositionEmbedding(16, device=DEVICE)
     table = module(40)
-    # Tiles of 512 bytes: 8 tokens of one head of 16 float32 channels, 4 of two heads.
-    small = L.launch_rule()._replace(tile_bytes=512, search_tile_bytes=512, min_programs_per_sm=0)
-    on = small._replace(search_one_sequence=True)
-    assert not L.GPU_RULE.search_one_sequence and not L.launch_rule().search_one_sequence
+    assert L.GPU_RULE.search_one_sequence and L.launch_rule().search_one_sequence
+    # Tiles of 512 bytes (8 tokens of one head of 16 float32 channels, 4 of two heads), every
+    # token narrow.
+    small = L.launch_rule()._replace(tile_bytes=512, search_tile_bytes=512, search_wide_token=0,
+                                     min_programs_per_sm=0)
+    off, on = (small._replace(search_one_sequence=flag) for flag in (False, True))
     norm = L.RMSNorm(torch.randn(16, device=DEVICE), 1e-6, 0.0, "head")
     cases = {"uniform": [0, 8, 16, 24, 32, 40], "mixed": [0, 3, 11, 12, 12, 29, 40],
              "outside": [2, 10, 18, 26, 33]}
     forward, backward, normed = dict(backward=False), dict(backward=True), dict(norm=norm)
-    calls = [(1, module, forward), (1, module, backward), (1, table, forward), (1, table, backward),
-             (2, module, forward), (2, table, backward), (1, module, normed), (2, table, normed)]
+    # (heads, freqs, options, whether `on` plans it)
+    calls = [(1, module, forward, True), (1, module, backward, True), (1, table, forward, True),
+             (1, table, backward, True), (2, module, forward, True), (2, module, backward, True),
+             (2, table, forward, False), (1, module, normed, False), (2, table, normed, False)]
+    planned = 0
     for name, cu in cases.items():
         thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cu))
-        for heads, freqs, options in calls:
+        for heads, freqs, options, plans_it in calls:
             # No tokens past the sequences but where the case puts them, so that the guess
             # of uniform lengths hits.
             t = torch.randn(44 if name == "outside" else cu[-1], heads, 16, device=DEVICE)
             results = {}
-            for rule in (small, on):
+            for rule in (off, on):
                 with L.use_launch_rule(rule):
                     plan = _plan_of_call(t, freqs, **options, **thd)
                     results[rule.search_one_sequence] = L.set_rotary_kernel(t, freqs, **options,
                                                                             **thd)
-                assert plan.launch.cfg.SEARCH_ONE_SEQUENCE is rule.search_one_sequence
+                assert plan.launch.cfg.SEARCH_ONE_SEQUENCE is (rule is on and plans_it), (
+                    name, heads, options)
+                planned += plan.launch.cfg.SEARCH_ONE_SEQUENCE
             assert torch.equal(results[True], results[False]), (name, heads, options)
+    assert planned == 6 * len(cases)
     # q (2 heads) and k (1) in one launch of pair tiles.
     q, k = torch.randn(40, 2, 16, device=DEVICE), torch.randn(40, 1, 16, device=DEVICE)
-    thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cases["uniform"]))
-    pairs = {}
-    for rule in (small, on):
-        with L.use_launch_rule(rule):
-            (plan,) = _plans_of_qk_call(q, k, module, **thd)
-            pairs[rule.search_one_sequence] = L.set_rotary_qk_kernel(q, k, module, **thd)
-        assert plan.launch.cfg[0].SEARCH_ONE_SEQUENCE is rule.search_one_sequence
-    assert all(map(torch.equal, pairs[True], pairs[False]))
+    with L.use_launch_rule(on):
+        (plan,) = _plans_of_qk_call(q, k, module, tensor_format="thd",
+                                    cu_seqlens=int_tensor(cases["uniform"]))
+        assert not plan.launch.cfg[0].SEARCH_ONE_SEQUENCE
     # The uniform case's tiles (8 tokens of one head, 4 of two) all take the shortcut, so the
     # comparisons above ran it.
     for block_t in (8, 4):
@@ -4827,16 +4834,19 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     monkeypatch.setattr(L._Launch, "__call__",
                         lambda launch, *args: records.append(_launch_record(launch, args)))
     monkeypatch.setattr(L, "_sm_count", lambda device: 132)
-    t = torch.randn(2048 * 64, 1, 128, dtype=torch.bfloat16, device=DEVICE)
     cu = int_tensor([64 * i for i in range(2049)])
-    with L.use_launch_rule(L.GPU_RULE._replace(search_one_sequence=True)):
-        module_128 = RotaryPositionEmbedding(128, device=DEVICE)
-        for freqs in (module_128, module_128(64)):
+    module_128 = RotaryPositionEmbedding(128, device=DEVICE)
+    module_64 = RotaryPositionEmbedding(64, device=DEVICE)
+    with L.use_launch_rule(L.GPU_RULE):
+        for heads, d, freqs in ((1, 128, module_128), (1, 128, module_128(64)),
+                                (1, 64, module_64), (8, 128, module_128)):
+            t = torch.randn(2048 * 64, heads, d, dtype=torch.bfloat16, device=DEVICE)
             set_rotary_kernel(t, freqs, tensor_format="thd", cu_seqlens=cu)
     flag = Variant._fields.index("SEARCH_ONE_SEQUENCE")
-    assert [r["constexprs"][0]["fields"][flag] for r in records] == [True, True], records
+    takes_it = [r["constexprs"][0]["fields"][flag] for r in records]
+    assert takes_it == [False, True, True, False], records
     path = tmp_path / "launches.json"
-    path.write_text(json.dumps(records))
+    path.write_text(json.dumps([r for r, on_ in zip(records, takes_it) if on_]))
     assert _run_probe("--launches", str(path)) == [{"ok": True}] * 2
 
 

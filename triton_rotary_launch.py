@@ -146,16 +146,22 @@ SEARCH_GUESS = True
 SEARCH_GUESS_ONE_HEAD_TOKEN = 256
 # thd tiles that lie inside their first token's sequence can take it without a search
 # (`_tile_in_one_sequence`): the checked guess's two loads decide it for the whole tile, and
-# its tokens skip the per-token compares of the guessed window or the search. Off until it is
-# timed on a GPU (artifacts/thd/one_sequence_ab.sh): what it changes is only counted so far.
-# SASS of the GPU rule's launches at thd-2048x64-h1 (sequences of 64 tokens, one head of
-# d 128), Triton 3.7.1, sm_90, the code a tile inside one sequence runs, in warp instructions
-# per token: bf16 118 -> 82 with angles from positions (the sbhd tile of such tokens, which
-# searches nothing, takes 87) and 238 -> 202 with TE's table (sbhd: 214); float32 142 -> 83
-# and 252 -> 199; 8 heads in bf16 -39% and -24% per tile. The whole kernel is 3-23
-# instructions longer. Off, these launches compile to the SASS of a kernel without the
-# branch (both in artifacts/thd/one_sequence_sass.txt).
-SEARCH_ONE_SEQUENCE = False
+# its tokens skip the per-token compares of the guessed window or the search. Kept where it
+# won on the H200 at packed batches of one length and lost nothing beyond 0.007 of copy speed
+# at lognormal ones (whose tiles the guess misses): lone search tiles of narrow tokens
+# (under SEARCH_WIDE_TOKEN), with angles from positions where they go without the guessed
+# window, and with TE's table at one head per token. Kernels alone, fraction of copy speed
+# (artifacts/thd/one_sequence_ab_h200.log, run 3): MLA's key (one head of d 64, interleaved)
+# at 2048 sequences of 64 tokens, bf16, positions 0.634 -> 0.823 forward, 0.637 -> 0.764
+# backward, table 0.39 -> 0.48; two heads of d 64, positions, bf16 0.90 -> 0.96, float32
+# +0.006; one head of d 128, table, bf16 0.53 -> 0.58, float32 0.90 -> 0.92; at lognormal
+# lengths -0.007 to +0.044. Left out, for what they lost (runs 1 and 2): tiles that read the
+# guessed window with angles from positions (one head of d 128 at lognormal lengths, bf16,
+# 0.875 -> 0.825), TE's table at two heads of d 64 (bf16 forward -0.03, -0.05 at lognormal
+# lengths) and wide tokens (8 heads of d 128 in bf16, positions -0.015). Loading the window
+# beside the checked guess instead of after it lost on the hits and won nothing at lognormal
+# lengths (run 2). Not run on the H100.
+SEARCH_ONE_SEQUENCE = True
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
@@ -1550,13 +1556,18 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     # TE's table in a 16-bit dtype keeps search tiles for wide tokens (TABLE_SEARCH_TOKEN_16BIT)
     table_keeps_search = (not source.from_positions and t.element_size() == 2
                           and 0 < rule.table_search_token_16bit <= token_bytes)
-    wide_token = (lone_search and 0 < rule.search_wide_token <= token_bytes
-                  and not table_keeps_search)
+    narrow_token = not 0 < rule.search_wide_token <= token_bytes
+    wide_token = lone_search and not narrow_token and not table_keeps_search
     # The guessed window: TE's table and wide tokens (SEARCH_GUESS), one-head tokens
     # (SEARCH_GUESS_ONE_HEAD_TOKEN).
     guess = rule.search_guess and lone_search and (
         wide_token or not source.from_positions
         or (shape.nheads == 1 and 0 < rule.search_guess_one_head_token <= token_bytes))
+    # Search tiles of narrow tokens that lie inside one sequence skip the search: with angles
+    # from positions without the guessed window, with TE's table at one head
+    # (SEARCH_ONE_SEQUENCE says why only these).
+    one_sequence = (rule.search_one_sequence and lone_search and narrow_token
+                    and (not guess if source.from_positions else shape.nheads == 1))
     if searches:
         # Wide tokens take the plain tile (SEARCH_TILE_BYTES says why).
         tile_bytes = rule.tile_bytes if wide_token else rule.search_tile_bytes
@@ -1612,7 +1623,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   FLAT_GRID=flat_grid, IS_THD=is_thd,
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
-                  SEARCH_GUESS=guess, SEARCH_ONE_SEQUENCE=searches and rule.search_one_sequence,
+                  SEARCH_GUESS=guess, SEARCH_ONE_SEQUENCE=one_sequence,
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   SAVED_RSTD=norm is not None and norm.rstd is not None,
                   NORM_AFTER_ANGLES=(norm is not None and not backward

@@ -41,6 +41,11 @@ EXTRA_POINTS = {p["name"]: p for p in [
     dict(name="thd-MLA-k-2048x64", layout="thd", seqs=2048, seq_len=64, heads=1, d=64,
          interleaved=True),
     dict(name="thd-2048x64-h2-d64", layout="thd", seqs=2048, seq_len=64, heads=2, d=64),
+    # The same tokens at lognormal lengths, whose tiles the guess of one length misses.
+    dict(name="thd-lognormal-128K-MLA-k", layout="thd", tokens=131072, min_len=8, max_len=4096,
+         lognormal=(5.5, 1.0), seed=0, heads=1, d=64, interleaved=True),
+    dict(name="thd-lognormal-64K-h2-d64", layout="thd", tokens=65536, min_len=8, max_len=4096,
+         lognormal=(5.5, 1.0), seed=0, heads=2, d=64),
 ]}
 
 

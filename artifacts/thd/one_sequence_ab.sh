@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# A/B of SEARCH_ONE_SEQUENCE (triton_rotary_launch.py, off in the rule) on a GPU: two trees of
-# this checkout's top-level sources, the second with the constant turned on, timed alternately
-# by ab_rounds.sh (kernels alone, rope_bench's models timing) at the packed points and an sbhd
-# control, then the medians table. From the repository root, on the GPU machine:
+# A/B of SEARCH_ONE_SEQUENCE (triton_rotary_launch.py) on a GPU: two trees of this checkout's
+# top-level sources, the first with the constant turned off, the second as they are, timed
+# alternately by ab_rounds.sh (kernels alone, rope_bench's models timing) at packed points of
+# narrow tokens (uniform and lognormal lengths), a wide-token point and an sbhd control, then
+# the medians table. From the repository root, on the GPU machine:
 #
 #   bash artifacts/thd/one_sequence_ab.sh OUT [BUDGET_S] [DTYPES]
 #
-# OUT gets the trees, ab_rounds.sh's files and medians.txt. artifacts/thd/one_sequence_sass.txt
-# gives the SASS these tiles run with and without it.
+# OUT gets the trees, ab_rounds.sh's files and medians.txt (tar OUT before it comes back: more
+# than 8 files). artifacts/thd/one_sequence_ab_h200.log holds the runs that set the rule;
+# artifacts/thd/one_sequence_sass.txt the SASS these tiles run with and without it.
 set -eu
 OUT=$1; BUDGET=${2:-360}; DTYPES=${3:-bf16,fp32}
-POINTS=thd-2048x64-h1,thd-4096x32-h1,thd-lognormal-128K-h1,thd-MLA-k-2048x64,thd-2048x64-h2-d64
-POINTS=$POINTS,thd-2048x64-h8,thd-4096x32-h8,thd-mixed-16K-h32,thd-lognormal-32K-h16
-POINTS=$POINTS,VLM-7B-k-thd-8x8K,VLM-7B-q-thd-8x8K,8B-TP8-k-64K
-mkdir -p "$OUT/trees/rule" "$OUT/trees/one_sequence"
+POINTS=thd-MLA-k-2048x64,thd-lognormal-128K-MLA-k,thd-2048x64-h2-d64,thd-lognormal-64K-h2-d64
+POINTS=$POINTS,thd-2048x64-h1,thd-lognormal-128K-h1,thd-2048x64-h8,8B-TP8-k-64K
+mkdir -p "$OUT/trees/off" "$OUT/trees/rule"
+cp ./*.py "$OUT/trees/off/"
 cp ./*.py "$OUT/trees/rule/"
-cp ./*.py "$OUT/trees/one_sequence/"
-sed -i 's/^SEARCH_ONE_SEQUENCE = False$/SEARCH_ONE_SEQUENCE = True/' \
-  "$OUT/trees/one_sequence/triton_rotary_launch.py"
-grep -q '^SEARCH_ONE_SEQUENCE = True$' "$OUT/trees/one_sequence/triton_rotary_launch.py"
+sed -i 's/^SEARCH_ONE_SEQUENCE = True$/SEARCH_ONE_SEQUENCE = False/' \
+  "$OUT/trees/off/triton_rotary_launch.py"
+grep -q '^SEARCH_ONE_SEQUENCE = False$' "$OUT/trees/off/triton_rotary_launch.py"
 bash artifacts/batch_of_one/ab_rounds.sh "$OUT/ab" "$POINTS" "$DTYPES" "$BUDGET" \
-  "$OUT/trees/rule" "$OUT/trees/one_sequence"
+  "$OUT/trees/off" "$OUT/trees/rule"
 python3 artifacts/batch_of_one/ab_medians.py "$OUT/ab/ab.log" | tee "$OUT/medians.txt"

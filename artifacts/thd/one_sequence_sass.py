@@ -38,12 +38,15 @@ CASES = [(2048, 64, 1, "bfloat16"), (2048, 64, 1, "float32"), (2048, 64, 8, "bfl
 
 
 def record(one_sequence):
-    """The planned launches (rope_sass_probe.launch_record), under Triton's interpreter."""
+    """The planned launches (rope_sass_probe.launch_record), under Triton's interpreter, with
+    Variant.SEARCH_ONE_SEQUENCE set to `one_sequence` in every thd launch that searches,
+    whichever of them the launch rule plans it for."""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, ROOT)
     import torch
 
     import rope_sass_probe
+    import triton_rotary_kernel as K
     import triton_rotary_launch as L
     from triton_rotary_main import RotaryPositionEmbedding
     records, names = [], []
@@ -71,6 +74,12 @@ def record(one_sequence):
                                         backward=backward)
                     names.append(f"thd-{seqs}x{length}-h{heads} {dtype} {path} "
                                  f"{'backward' if backward else 'forward'}")
+    flag, is_thd, levels = (K.Variant._fields.index(f)
+                            for f in ("SEARCH_ONE_SEQUENCE", "IS_THD", "SEARCH_LEVELS"))
+    for r in records:
+        fields = r["constexprs"][0]["fields"]
+        if fields[is_thd] and fields[levels]:
+            fields[flag] = one_sequence
     return names, records
 
 
