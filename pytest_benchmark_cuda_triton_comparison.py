@@ -4770,10 +4770,10 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     backward, in tiles of one head and of two, at lengths where small tiles lie inside one
     sequence, lengths where they do not, and tokens outside every sequence. TE's table at two
     heads, the forward of a norm, pair tiles of q and k, calls whose positions come from a
-    tensor and calls without a search never plan it. The GPU rule plans it for one head of d 64
-    (MLA's key's width; angles from positions) and one head of d 128 with TE's table, not for that head with
-    angles from positions (the guessed window) nor for 8 heads (wide tokens), and the launches
-    it plans compile for sm_90."""
+    tensor and calls without a search never plan it. The GPU rule plans it for one head of
+    d 64 (MLA's key's width; angles from positions) and one head of d 128 with TE's table, not
+    for that head with angles from positions (the guessed window) nor for 8 heads (wide
+    tokens), and the launches it plans compile for sm_90."""
     L = triton_rotary_launch
     torch.manual_seed(67)
     module = RotaryPositionEmbedding(16, device=DEVICE)
