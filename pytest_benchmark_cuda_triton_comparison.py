@@ -4306,12 +4306,9 @@ def _planned_calls():
 
 
 def _launch_record(launch, args):
-    """rope_sass_probe's launch_record of a `_Launch` called with `args` (its groups as the
-    plain tuples the launcher passes)."""
+    """rope_sass_probe's planned_launch_record of a `_Launch` called with `args`."""
     import rope_sass_probe
-    named = [triton_rotary_launch._as_group(a, g) for a, g in zip(args, launch.groups)]
-    return rope_sass_probe.launch_record(launch.kernel.fn, (*named, *args[len(launch.groups):]),
-                                         launch.constexprs, launch.num_warps, launch.options)
+    return rope_sass_probe.planned_launch_record(launch, args)
 
 
 def test_every_planned_launch_compiles_for_sm90(tmp_path, monkeypatch):

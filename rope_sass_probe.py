@@ -184,6 +184,15 @@ def launch_record(kernel, args, constexprs, num_warps, options=None):
             "num_warps": num_warps, "options": dict(options or {})}
 
 
+def planned_launch_record(launch, args):
+    """`launch_record` of a launch the launcher planned: a triton_rotary_launch `_Launch`
+    called with `args` (its groups as the plain tuples the launcher passes)."""
+    from triton_rotary_launch import _as_group
+    named = [_as_group(a, g) for a, g in zip(args, launch.groups)]
+    return launch_record(launch.kernel.fn, (*named, *args[len(launch.groups):]),
+                         launch.constexprs, launch.num_warps, launch.options)
+
+
 def compile_launch(record):
     """A `launch_record` compiled for sm_90, specialized as Triton's JIT would specialize it
     (triton.compile's kernel)."""

@@ -38,9 +38,9 @@ CASES = [(2048, 64, 1, "bfloat16"), (2048, 64, 1, "float32"), (2048, 64, 8, "bfl
 
 
 def record(one_sequence):
-    """The planned launches (rope_sass_probe.launch_record), under Triton's interpreter, with
-    Variant.SEARCH_ONE_SEQUENCE set to `one_sequence` in every thd launch that searches,
-    whichever of them the launch rule plans it for."""
+    """The planned launches (rope_sass_probe.planned_launch_record), under Triton's
+    interpreter, with Variant.SEARCH_ONE_SEQUENCE set to `one_sequence` in every thd launch
+    that searches, whichever of them the launch rule plans it for."""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, ROOT)
     import torch
@@ -51,12 +51,8 @@ def record(one_sequence):
     from triton_rotary_main import RotaryPositionEmbedding
     records, names = [], []
 
-    def keep(launch, *args):
-        named = [L._as_group(a, g) for a, g in zip(args, launch.groups)]
-        records.append(rope_sass_probe.launch_record(
-            launch.kernel.fn, (*named, *args[len(launch.groups):]), launch.constexprs,
-            launch.num_warps, launch.options))
-    L._Launch.__call__ = keep
+    L._Launch.__call__ = lambda launch, *args: records.append(
+        rope_sass_probe.planned_launch_record(launch, args))
     L._sm_count = lambda device: 132
     with L.use_launch_rule(L.GPU_RULE._replace(search_one_sequence=one_sequence)):
         module = RotaryPositionEmbedding(128)
