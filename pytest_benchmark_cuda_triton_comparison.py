@@ -4111,6 +4111,22 @@ def test_one_head_table_tile_issues_its_table_loads_together():
         assert first_four[-1] - first_four[0] <= 48, result["load_at"]
 
 
+def test_table_tiles_take_the_hardware_sin_cos_in_16_bits_only():
+    """With TE's table, tiles of 16-bit data take sin/cos of the table's angles from the
+    hardware after the positions path's reduction (sin.approx in the PTX); float32 tiles keep
+    the polynomials (`_rotation_from_table`), which have none. A one-head tile of 8 tokens
+    (TP 8's key, a batch of one), forward and backward, and a tile of 16 heads of one token."""
+    one_head = dict(BLOCK_T=8, BLOCK_H=1, BLOCK_HALF=64, ANGLES_FROM_POSITIONS=False,
+                    BATCH_OF_ONE=True)
+    many_heads = dict(BLOCK_T=1, BLOCK_H=16, BLOCK_HALF=64, ANGLES_FROM_POSITIONS=False,
+                      FLAT_GRID=True, BATCH_OF_ONE=True)
+    tiles = [one_head, dict(one_head, BACKWARD=True), many_heads]
+    for dtype in ("bf16", "fp16", "fp32"):
+        results = _compile_tiles(*[dict(tile, dtype=dtype) for tile in tiles])
+        for tile, result in zip(tiles, results):
+            assert (result["sin"] > 0) is (dtype != "fp32"), (dtype, tile, result)
+
+
 def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_path):
     """sbhd tiles with positions from the token's index issue all their loads before the first
     sin/cos (MUFU.SIN/COS), which waits for the frequencies' load: the barrier after the tile's
@@ -4121,11 +4137,9 @@ def test_position_tiles_issue_their_loads_before_the_sin_cos(monkeypatch, tmp_pa
     pairs); without the barrier (Triton 3.6 and 3.9) two of quarter rotary's five loads come
     after the first sin/cos, so that case guards the barrier. MLA's key's 2 KiB tile
     (ONE_HEAD_TILE_BYTES) keeps its two loads ahead either way (Triton 3.6); in a 4 KiB tile
-    one of its three loads comes after without the barrier. With TE's table (no MUFU: the
-    table's angles take the precise sin/cos), MLA's key is the table tile that takes the
-    barrier: its tensor's load and the table row's two issue within a few instructions (71-76
-    in Triton 3.5.1-3.9); without the barrier the last comes 26-52 instructions after the
-    first."""
+    one of its three loads comes after without the barrier. With TE's table, MLA's key is the
+    table tile that takes the barrier: its tensor's load and the table row's two issue within
+    16 instructions."""
     L = triton_rotary_launch
     records = []
     monkeypatch.setattr(L._Launch, "__call__",

@@ -1,6 +1,7 @@
 """Compiles rotary_kernel for sm_90 and reports, per tile, what the tests read in the generated
 code: `python rope_sass_probe.py TILE [TILE ...]`, each TILE a JSON object of Variant fields over
-DEFAULT_TILE. No GPU is needed (Triton's own ptxas and nvdisasm). Run it in a process without
+DEFAULT_TILE, and optionally "dtype": the data's Triton type, "bf16" (the default), "fp16" or
+"fp32". No GPU is needed (Triton's own ptxas and nvdisasm). Run it in a process without
 TRITON_INTERPRET, so that the kernel is a JIT function.
 
 `python rope_sass_probe.py --launches FILE` compiles launches the launcher planned instead (FILE:
@@ -12,7 +13,7 @@ so that is the sin/cos each thread computes), the global loads in the order of t
 indices among its instructions, for each loop of the SASS (a branch back to a label) its
 shared-memory stores (STS), the number of SASS instructions (NOPs left out) and of reciprocals
 (MUFU.RCP: an integer division by a runtime value takes one).
-The arguments are those of a contiguous bf16 call (`example_arguments`), specialized as Triton
+The arguments are those of a contiguous call (`example_arguments`), specialized as Triton
 specializes them (`signature`).
 """
 import json
@@ -35,11 +36,12 @@ DEFAULT_TILE = dict(BLOCK_T=1, BLOCK_H=1, BLOCK_HALF=64, BLOCK_PASS=0, INTERLEAV
 UNSPECIALIZED = ("num_tokens", "seq_len", "batch", "cp_size", "cp_rank")
 
 
-def example_arguments(cfg):
-    """rotary_kernel's arguments for a contiguous bf16 call of 12 heads of 128 channels (sbhd,
-    batch 2; thd), pointers as their Triton types; a tensor the call leaves out is None, and so is
-    the norm unless cfg.NORM asks for one (a bf16 weight; backward: the norm's input and float32
-    partial sums of dL/dweight)."""
+def example_arguments(cfg, dtype="bf16"):
+    """rotary_kernel's arguments for a contiguous call of 12 heads of 128 channels of `dtype`
+    (sbhd, batch 2; thd), pointers as their Triton types; a tensor the call leaves out is None,
+    and so is the norm unless cfg.NORM asks for one (a weight of `dtype`; backward: the norm's
+    input and float32 partial sums of dL/dweight)."""
+    data = f"*{dtype}"
     heads, dim = 12, 128
     strides = (heads * dim if cfg.IS_THD else 2 * heads * dim, 0 if cfg.IS_THD else heads * dim, dim, 1)
     axis = cfg.POSITIONS_FROM == K.AXIS_POSITIONS_TENSOR.value
@@ -53,9 +55,9 @@ def example_arguments(cfg):
     norm = None
     if cfg.NORM != K.NO_NORM.value:
         backward = cfg.BACKWARD
-        norm = K.Norm("*bf16", 1e-6, 0.0, K.View("*bf16", strides) if backward else None,
+        norm = K.Norm(data, 1e-6, 0.0, K.View(data, strides) if backward else None,
                       "*fp32" if backward else None, "*fp32" if cfg.SAVED_RSTD else None)
-    return (K.View("*bf16", strides), K.View("*bf16", strides), angles, positions,
+    return (K.View(data, strides), K.View(data, strides), angles, positions,
             K.HeadShape(heads, dim, dim), norm, 4096, 2048, 2, 1, 0, cfg)
 
 
@@ -132,8 +134,9 @@ def loop_shared_stores(sass):
 
 def compile_tile(tile):
     """`sass_stats` of rotary_kernel compiled for sm_90 with the Variant fields `tile` over
-    DEFAULT_TILE, for `example_arguments`."""
-    args = example_arguments(K.Variant(**{**DEFAULT_TILE, **tile}))
+    DEFAULT_TILE, for `example_arguments` of the data type tile["dtype"] (default "bf16")."""
+    fields = {k: v for k, v in tile.items() if k != "dtype"}
+    args = example_arguments(K.Variant(**{**DEFAULT_TILE, **fields}), tile.get("dtype", "bf16"))
     sig, constexprs, attrs = signature(K.rotary_kernel, args)
     kernel = triton.compile(ASTSource(fn=K.rotary_kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -602,9 +602,8 @@ def _rope_tile(tok_block, x, out, heads, heads_per_group, shape, tokens, angles,
     inputs = _tile_inputs(x, out, heads, heads_per_group, shape, tok, tok_ok, seq_idx,
                           batch_idx, norm, weights, cfg)
     BLOCK_H: tl.constexpr = heads.shape[0]
-    compute_dtype: tl.constexpr = _compute_dtype(x.ptr.dtype.element_ty)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
-                              shape.rotary_dim, freqs, compute_dtype, BLOCK_H > 1, cfg)
+                              shape.rotary_dim, freqs, x.ptr.dtype.element_ty, BLOCK_H > 1, cfg)
     return _rotate_and_store(inputs, rotation, norm, cfg)
 
 
@@ -621,9 +620,8 @@ def _rope_pair_tile(tok_block, q, k, q_heads, k_heads, q_shape, k_shape, tokens,
                             q_norm, None, cfg)
     k_inputs = _tile_inputs(k.src, k.dst, k_heads, 1, k_shape, tok, tok_ok, seq_idx, batch_idx,
                             k_norm, None, cfg)
-    compute_dtype: tl.constexpr = _compute_dtype(q.src.ptr.dtype.element_ty)
     rotation = _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens,
-                              q_shape.rotary_dim, None, compute_dtype, True, cfg)
+                              q_shape.rotary_dim, None, q.src.ptr.dtype.element_ty, True, cfg)
     _rotate_and_store(q_inputs, rotation, q_norm, cfg)
     _rotate_and_store(k_inputs, rotation, k_norm, cfg)
 
@@ -709,10 +707,10 @@ def _tile_inputs(x, out, heads, heads_per_group, shape, tok, tok_ok, seq_idx, ba
 
 @triton.jit
 def _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens, rotary_dim,
-                   freqs, compute_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
+                   freqs, data_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
     """(in_seq, cos1, cos2, sin_a, sin_b) of a tile's tokens, cos and sin [T, 1, K] as the
-    rotation takes them (`_rotate_and_store`), after its loads are issued; SHARED as
-    `_tile_angles` has it.
+    rotation takes them (`_rotate_and_store`), after its loads are issued; data_dtype (the
+    tile's) and SHARED as `_tile_angles` has them.
 
     Where ptxas would move the tile's loads behind what the angles load or wait for, a
     `tl.debug_barrier()` here keeps them ahead (it waits for no load's data); in the other
@@ -764,7 +762,7 @@ def _tile_rotation(angles, positions, tok, tok_block, seq_idx, batch_idx, tokens
     # tile's tokens and shared by its heads.
     in_seq, cos1, cos2, sin1, sin2 = _tile_angles(
         angles, positions, tok, tok_block * cfg.BLOCK_T, seq_idx, batch_idx, tokens, rotary_dim,
-        freqs, compute_dtype, SHARED, cfg)
+        freqs, data_dtype, SHARED, cfg)
     cos1, cos2 = cos1[:, None, :], cos2[:, None, :]
     # out1 = x1*cos1 - x2*sin_a, out2 = x2*cos2 + x1*sin_b (the table in the module docstring).
     if cfg.BACKWARD:
@@ -1344,10 +1342,11 @@ def _token_sequences(cu_seqlens, next_start, num_seqs, SEARCH_LEVELS: tl.constex
 
 @triton.jit
 def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, rotary_dim,
-                 freqs, compute_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
+                 freqs, data_dtype: tl.constexpr, SHARED: tl.constexpr, cfg: tl.constexpr):
     """(in_seq, cos1, cos2, sin1, sin2) of the tile's tokens: whether each lies inside a
     sequence (`_positions`), and [T, K] cos and sin of the angles of both members of each pair
-    (`freqs`: `_pair_frequencies`' result, or None to load them here).
+    (`freqs`: `_pair_frequencies`' result, or None to load them here), in the arithmetic's
+    dtype for the tile's data of `data_dtype`.
 
     SHARED (a tile of several heads): these are worked out once per token (and pair) across
     the program's threads, then handed to the threads that hold each head. Left alone,
@@ -1365,6 +1364,7 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
     # Shapes are lists of constexprs: a Variant's fields are plain ints until bound so.
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    compute_dtype: tl.constexpr = _compute_dtype(data_dtype)
     ONE_HEAD_SEARCH: tl.constexpr = (not SHARED and cfg.NORM == NO_NORM
                                      and cfg.POSITIONS_FROM == IMPLICIT_POSITIONS)
     if (cfg.ANGLES_FROM_POSITIONS and cfg.IS_THD and freqs is None
@@ -1402,7 +1402,7 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
             trips = 0
             while trips < 1:
                 cos1, cos2, sin1, sin2 = _rotation_from_table(angles, pos, rotary_dim,
-                                                              compute_dtype, False, cfg)
+                                                              data_dtype, False, cfg)
                 trips += 1
     else:
         in_seq, pos = _positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, cfg)
@@ -1413,7 +1413,7 @@ def _tile_angles(angles, positions, tok, first_tok, seq_idx, batch_idx, tokens, 
                 cos1, sin1 = _own_layout(cos1), _own_layout(sin1)
             cos2, sin2 = cos1, sin1
         else:
-            cos1, cos2, sin1, sin2 = _rotation_from_table(angles, pos, rotary_dim, compute_dtype,
+            cos1, cos2, sin1, sin2 = _rotation_from_table(angles, pos, rotary_dim, data_dtype,
                                                           not SHARED, cfg)
             if SHARED:
                 cos1, cos2 = _own_layout(cos1), _own_layout(cos2)
@@ -1432,10 +1432,24 @@ def _own_layout(x):
 
 
 @triton.jit
-def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr,
+def _rotation_from_table(angles, pos, rotary_dim, data_dtype: tl.constexpr,
                          SAME_HALVES_ONCE: tl.constexpr, cfg: tl.constexpr):
     """(cos1, cos2, sin1, sin2) [T, K] of the angles of both pair members for the T
-    positions `pos`, read from the angle table.
+    positions `pos`, read from the angle table, in the arithmetic's dtype for the tile's data
+    of `data_dtype`.
+
+    sin/cos of a table angle: for float32 data `_table_sincos` (polynomials, within a few
+    float32 ulps); for 16-bit data the positions path's reduction modulo pi and the hardware's
+    sin/cos (`_exact_angle_sincos` with no error term: within 8e-7 of the true values, far
+    below a 16-bit output's rounding) at about half the instructions. Where sin/cos limit a
+    tile (one or two heads per token, the table's rows cached) that is speed; kernels alone,
+    fraction of copy speed, bf16, one H200: packed thd of 64-token sequences, one head of d 128
+    0.59 -> 0.65, two heads of d 64 0.64 / 0.56 -> 0.73 / 0.74 (forward / backward), sbhd of
+    two heads of d 64 0.66 -> 0.72; tiles of many heads within 0.004. The bf16 output then
+    differs from the correctly rounded result in 1.4e-4 of its elements instead of 2.5e-5
+    (fp16 8.7e-4 instead of 1.5e-4), each by one ulp, no worst case larger; in float32 the
+    same change would put the error at 1.5e-7 instead of 3.9e-8, so float32 keeps the
+    polynomials (artifacts/tiles/table_hardware_sincos_ab_h200.log; not run on the H100).
 
     SAME_HALVES_ONCE: where both members of every pair have the same angle bits (TE's tables
     repeat the frequencies, cat(freqs, freqs) or interleaved), sin/cos are worked out once for
@@ -1455,6 +1469,8 @@ def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr,
     run on the H100."""
     BLOCK_T: tl.constexpr = cfg.BLOCK_T
     BLOCK_HALF: tl.constexpr = cfg.BLOCK_HALF
+    compute_dtype: tl.constexpr = _compute_dtype(data_dtype)
+    HARDWARE_SINCOS: tl.constexpr = data_dtype.primitive_bitwidth == 16
     half = rotary_dim // 2
     row_stride, channel_stride = angles.strides[0], angles.strides[1]
     # A position outside the table has no defined rotation: NaN, and its row is never read.
@@ -1481,11 +1497,11 @@ def _rotation_from_table(angles, pos, rotary_dim, compute_dtype: tl.constexpr,
         if SAME_HALVES_ONCE:
             same_bits = f1.to(tl.int32, bitcast=True) == f2.to(tl.int32, bitcast=True)
             same = tl.min(same_bits.to(tl.int32)) == 1
-        sin1, cos1 = _table_sincos(f1)
+        sin1, cos1 = _table_angle_sincos(f1, HARDWARE_SINCOS)
         if same:
             sin2, cos2 = sin1, cos1
         else:
-            sin2, cos2 = _table_sincos(f2)
+            sin2, cos2 = _table_angle_sincos(f2, HARDWARE_SINCOS)
     cos1 = tl.where(pos_ok[:, None], cos1, _nan())
     cos2 = tl.where(pos_ok[:, None], cos2, _nan())
     return cos1, cos2, sin1, sin2
@@ -1632,6 +1648,14 @@ def _fma_rounded_once(a, b, c):
     inexact_even = (e != 0) & ((bits & 1) == 0)
     s = tl.where(inexact_even, bits + towards_e, bits).to(tl.float64, bitcast=True)
     return s.to(tl.float32)
+
+
+@triton.jit
+def _table_angle_sincos(angle, HARDWARE_SINCOS: tl.constexpr):
+    """sin and cos of float32 table angles as `_rotation_from_table` takes them."""
+    if HARDWARE_SINCOS:
+        return _exact_angle_sincos(angle, 0.0)
+    return _table_sincos(angle)
 
 
 @triton.jit

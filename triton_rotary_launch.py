@@ -167,10 +167,11 @@ SEARCH_ONE_SEQUENCE = True
 QKV_TILE_BYTES = 8192
 # A tile of TE's table (angles read, not made from positions) whose angles serve at least
 # TABLE_WARPS_MIN_HEADS heads takes TABLE_WARPS warps. Its table row is a load the rotation
-# waits for, then sin/cos in float32 polynomials: 48-56 registers a thread at 4 warps (sm_90,
-# Triton 3.6), so that registers, not warps, cap an SM at 9-10 programs, 56-63% occupancy,
-# where the positions path's 32 registers fill it (ncu, H200, artifacts/tiles/). Half the
-# threads, each with two vectors of each half, put more of the tile's bytes in flight per SM.
+# waits for, then sin/cos, which were float32 polynomials in every dtype when this was timed:
+# 48-56 registers a thread at 4 warps (sm_90, Triton 3.6), so that registers, not warps, cap
+# an SM at 9-10 programs, 56-63% occupancy, where the positions path's 32 registers fill it
+# (ncu, H200, artifacts/tiles/). Half the threads, each with two vectors of each half, put more
+# of the tile's bytes in flight per SM.
 # Kernels alone, bf16 forward, fraction of copy speed, 4 -> 2 warps, in one process per GPU
 # (artifacts/tiles/tile_variants_ab_h200.log, table_warps_ab_h100.log): H200 40 heads 0.884 ->
 # 0.951, Qwen2-VL's 28 query heads 0.889 -> 0.934 (packed: 0.819 -> 0.935), Llama 8B's and
@@ -179,7 +180,9 @@ QKV_TILE_BYTES = 8192
 # 0.550): each thread then works out more angles per byte it moves. Search tiles of
 # cu_seqlens (tokens under SEARCH_WIDE_TOKEN) keep 4: in 2 warps their 8 KiB tiles of several
 # tokens did not gain (0.965 -> 0.948, timed when 8 heads of d 128 in bf16 took them).
-# Register caps (maxnreg 32) spilled.
+# Register caps (maxnreg 32) spilled. The hardware's sin/cos that 16-bit tiles take
+# (`_rotation_from_table`) were timed in 2 warps only, against the polynomials: Llama 8B's
+# query heads and fused QKV within 0.003 (bf16, one H200); 4 warps were not timed with them.
 TABLE_WARPS = 2
 TABLE_WARPS_MIN_HEADS = 4
 # With a norm, a program holds a tile's loads until each row's sums are complete, and the
