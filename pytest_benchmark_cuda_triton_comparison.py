@@ -100,10 +100,12 @@ from triton_rotary_kernel import (
     Tokens,
     Variant,
     _checked_sequence_guess,
+    _guess_window,
     _guessed_sequences,
     _program_tokens,
     _tile_in_one_sequence,
     _tile_sequences,
+    _window_first_sequence,
 )
 from triton_rotary_launch import set_rotary_kernel
 from triton_rotary_main import (
@@ -3745,7 +3747,8 @@ def _tile_sequences_probe(cu_seqlens, SEQ, SEQ_START, SEQ_END, num_tokens, num_s
     seq, seq_start, seq_end = _tile_sequences(cu_seqlens, tl.program_id(0) * cfg.BLOCK_T,
                                               (tok.to(tl.int64) + 1) * cp_size, num_seqs,
                                               num_tokens, cp_size, cfg.SEARCH_LEVELS,
-                                              cfg.SEARCH_GUESS, cfg.SEARCH_ONE_SEQUENCE)
+                                              cfg.SEARCH_GUESS, cfg.SEARCH_ONE_SEQUENCE,
+                                              cfg.SEARCH_WINDOW_FIRST)
     tl.store(SEQ + tok, seq, mask=ok)
     tl.store(SEQ_START + tok, seq_start, mask=ok)
     tl.store(SEQ_END + tok, seq_end, mask=ok)
@@ -3781,13 +3784,18 @@ def _checked_sequence_guess_probe(cu_seqlens, HIT, GUESS, num_tokens, num_seqs, 
 
 @triton.jit
 def _tile_in_one_sequence_probe(cu_seqlens, INSIDE, num_tokens, num_seqs, cp_size,
-                                BLOCK_T: tl.constexpr):
-    """`_tile_in_one_sequence` alone for tiles of BLOCK_T tokens, after the checked guess as
-    `_tile_sequences` makes it: per tile, whether the tile lies inside one sequence."""
+                                BLOCK_T: tl.constexpr, WINDOW_FIRST: tl.constexpr = False):
+    """`_tile_in_one_sequence` alone for tiles of BLOCK_T tokens, after the checked guess (or
+    with WINDOW_FIRST the guessed window) as `_tile_sequences` makes it: per tile, whether the
+    tile lies inside one sequence."""
     first_tok = tl.program_id(0) * BLOCK_T
-    hit, _, _, g_end = _checked_sequence_guess(cu_seqlens, first_tok,
-                                               (first_tok + 1).to(tl.int64) * cp_size, num_seqs,
-                                               num_tokens)
+    first_next = (first_tok + 1).to(tl.int64) * cp_size
+    if WINDOW_FIRST:
+        hit, _, _, g_end = _window_first_sequence(
+            _guess_window(cu_seqlens, first_tok, num_seqs, num_tokens), first_next, num_seqs)
+    else:
+        hit, _, _, g_end = _checked_sequence_guess(cu_seqlens, first_tok, first_next, num_seqs,
+                                                   num_tokens)
     tl.store(INSIDE + tl.program_id(0),
              _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size, BLOCK_T))
 
@@ -3846,23 +3854,26 @@ def _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected, to
     assert seq_end.tolist() == cu[(expected + 1).clamp(max=num_seqs)].tolist()
 
 
-@pytest.mark.parametrize("one_sequence", [False, True])
-@pytest.mark.parametrize("guess", [False, True])
+@pytest.mark.parametrize("guess,one_sequence,window_first", [
+    (False, False, False), (True, False, False), (False, True, False), (True, True, False),
+    (True, True, True)])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("case", list(_TILE_SEARCH_CASES))
-def test_tile_sequence_search_matches_searchsorted(case, index_dtype, guess, one_sequence):
+def test_tile_sequence_search_matches_searchsorted(case, index_dtype, guess, one_sequence,
+                                                   window_first):
     """Each token's sequence (the last i with cu[i] // cp_size <= token, 0 if none) and its
     bounds, whether the tile's tokens come from the vector after the first token's sequence
     or (many sequence ends in one tile) from a search of their own, with SEARCH_GUESS from
     the guessed window where it holds them, and with SEARCH_ONE_SEQUENCE from the first
-    token's sequence where the tile lies inside it."""
+    token's sequence where the tile lies inside it (found by the checked guess, or with
+    SEARCH_WINDOW_FIRST in the guessed window)."""
     cu_seqlens, num_seqs, num_tokens, cp_size, block_t, (seq, seq_start, seq_end), expected = (
         _sequence_search_case(case, index_dtype))
     cfg = Variant(BLOCK_T=block_t, BLOCK_H=1, BLOCK_HALF=1, BLOCK_PASS=0, INTERLEAVED=False,
                   BACKWARD=False, SEQ_MAJOR=True, HAS_START=False, WIDE_INNER=False,
                   ANGLES_FROM_POSITIONS=False, POSITIONS_FROM=0, FLAT_GRID=False, IS_THD=True,
                   SEARCH_LEVELS=triton_rotary_launch._search_levels(num_seqs), SEARCH_GUESS=guess,
-                  SEARCH_ONE_SEQUENCE=one_sequence)
+                  SEARCH_ONE_SEQUENCE=one_sequence, SEARCH_WINDOW_FIRST=window_first)
     _tile_sequences_probe[(triton.cdiv(num_tokens, block_t),)](
         cu_seqlens, seq, seq_start, seq_end, num_tokens, num_seqs, cp_size, cfg)
     _check_sequences(cu_seqlens, num_seqs, seq, seq_start, seq_end, expected)
@@ -3915,11 +3926,12 @@ def test_checked_sequence_guess(case, every_tile_hits):
     assert guess[hit.bool()].tolist() == first[hit.bool()].tolist()
 
 
-@pytest.mark.parametrize("case,inside_tiles", [
-    ("long sequences", "all"), ("one length, context parallel", "all"), ("one-token tiles", "some"),
-    ("tokens before and after", "some"), ("short and empty sequences", "none"),
-    ("one-token sequences, 64-token tiles", "none")])
-def test_tiles_inside_one_sequence_take_it_without_a_search(case, inside_tiles):
+@pytest.mark.parametrize("case,inside_tiles,inside_by_window", [
+    ("long sequences", "all", "all"), ("one length, context parallel", "all", "all"),
+    ("one-token tiles", "some", "all"), ("tokens before and after", "some", "some"),
+    ("short and empty sequences", "none", "none"),
+    ("one-token sequences, 64-token tiles", "none", "none")])
+def test_tiles_inside_one_sequence_take_it_without_a_search(case, inside_tiles, inside_by_window):
     """`_tile_sequences` takes a tile's sequence for all its tokens, searching none, where
     `_tile_in_one_sequence` says the tile lies inside it: at every tile where sequences are of
     one length, longer than tiles and aligned with them (with context parallelism too); at
@@ -3927,24 +3939,29 @@ def test_tiles_inside_one_sequence_take_it_without_a_search(case, inside_tiles):
     some tiles, one-token tiles too) or tokens lie before and after the sequences; at none
     where every tile spans several sequences (or an empty one); and wherever it says so,
     every real token of the tile is in that sequence by searchsorted (a tail tile's
-    included)."""
+    included). With the first token's sequence from the guessed window (WINDOW_FIRST) at
+    least at the tiles the checked guess finds, and at every one-token tile."""
     cu_seqlens, num_seqs, num_tokens, cp_size, block_t, _, expected = _sequence_search_case(
         case, torch.int32)
     tiles = triton.cdiv(num_tokens, block_t)
-    inside = torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE)
-    _tile_in_one_sequence_probe[(tiles,)](cu_seqlens, inside, num_tokens, num_seqs, cp_size,
-                                          block_t)
-    inside = inside.cpu()
-    assert set(inside.tolist()) <= {0, 1}
-    assert {"all": bool(inside.all()), "some": bool(inside.any()) and not inside.all(),
-            "none": not inside.any()}[inside_tiles], inside
     local_cu = torch.tensor(_TILE_SEARCH_CASES[case][0]) // cp_size
-    for tile in inside.nonzero().flatten().tolist():
-        tile_seqs = expected[tile * block_t:(tile + 1) * block_t]
-        first = int(tile_seqs[0])
-        assert (tile_seqs == first).all(), (tile, tile_seqs)
-        tokens = torch.arange(tile * block_t, min((tile + 1) * block_t, num_tokens))
-        assert ((local_cu[first] <= tokens) & (tokens < local_cu[first + 1])).all(), tile
+    found = []
+    for window_first, expect in ((False, inside_tiles), (True, inside_by_window)):
+        inside = torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE)
+        _tile_in_one_sequence_probe[(tiles,)](cu_seqlens, inside, num_tokens, num_seqs, cp_size,
+                                              block_t, window_first)
+        inside = inside.cpu()
+        assert set(inside.tolist()) <= {0, 1}
+        assert {"all": bool(inside.all()), "some": bool(inside.any()) and not inside.all(),
+                "none": not inside.any()}[expect], (window_first, inside)
+        for tile in inside.nonzero().flatten().tolist():
+            tile_seqs = expected[tile * block_t:(tile + 1) * block_t]
+            first = int(tile_seqs[0])
+            assert (tile_seqs == first).all(), (window_first, tile, tile_seqs)
+            tokens = torch.arange(tile * block_t, min((tile + 1) * block_t, num_tokens))
+            assert ((local_cu[first] <= tokens) & (tokens < local_cu[first + 1])).all(), tile
+        found.append(inside.bool())
+    assert (found[1] | ~found[0]).all(), found
 
 
 @pytest.mark.parametrize("tile,min_programs", [(16, 0), (192, 0), (512, 0), (2048, 0), (512, 1000)])
@@ -4777,14 +4794,16 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     """The launch rule's search_one_sequence (SEARCH_ONE_SEQUENCE, on in both rules) plans
     Variant.SEARCH_ONE_SEQUENCE for lone thd calls of narrow tokens that search cu_seqlens:
     with angles from positions where they go without the guessed window, with TE's table at
-    one head. Their results are bit for bit those of the rule without it, forward and
-    backward, in tiles of one head and of two, at lengths where small tiles lie inside one
-    sequence, lengths where they do not, and tokens outside every sequence. TE's table at two
-    heads, the forward of a norm, pair tiles of q and k, calls whose positions come from a
-    tensor and calls without a search never plan it. The GPU rule plans it for one head of
-    d 64 (MLA's key's width; angles from positions) and one head of d 128 with TE's table, not
-    for that head with angles from positions (the guessed window) nor for 8 heads (wide
-    tokens), and the launches it plans compile for sm_90."""
+    one head, and (search_window_first, SEARCH_WINDOW_FIRST) 16-bit calls of one head that
+    read the window, which then find the first token's sequence in it. Their results are bit
+    for bit those of the rule without it, forward and backward, in tiles of one head and of
+    two, at lengths where small tiles lie inside one sequence, lengths where they do not, and
+    tokens outside every sequence. TE's table at two heads, the forward of a norm, pair tiles
+    of q and k, calls whose positions come from a tensor and calls without a search never
+    plan it. The GPU rule plans it, in bf16, for one head of d 64 (MLA's key's width; angles
+    from positions, the checked guess) and one head of d 128 (from the window, with TE's
+    table or angles from positions), not for 8 heads (wide tokens), and the launches it plans
+    compile for sm_90."""
     L = triton_rotary_launch
     torch.manual_seed(67)
     module = RotaryPositionEmbedding(16, device=DEVICE)
@@ -4823,19 +4842,53 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
             if plans_it:
                 assert torch.equal(results[True], results[False]), (name, heads, options)
     assert planned == 6 * len(cases)
+    # bf16, one head of 32 bytes reading the guessed window with angles from positions, in
+    # tiles of 256 bytes (8 tokens of one head, 4 of two): the rule without the shortcut, the
+    # one without the window first, and the rule itself.
+    small16 = small._replace(tile_bytes=256, search_tile_bytes=256,
+                             search_guess_one_head_token=32)
+    rules16 = (small16._replace(search_one_sequence=False),
+               small16._replace(search_window_first=False), small16)
+    # (heads, freqs, options, SEARCH_ONE_SEQUENCE under each rule, SEARCH_WINDOW_FIRST)
+    calls16 = [(1, module, forward, (False, False, True), (False, False, True)),
+               (1, module, backward, (False, False, True), (False, False, True)),
+               (1, table, forward, (False, True, True), (False, False, True)),
+               (1, table, backward, (False, True, True), (False, False, True)),
+               (2, module, forward, (False, True, True), (False, False, False)),
+               (2, table, forward, (False, False, False), (False, False, False))]
+    windows = 0
+    for name, cu in cases.items():
+        thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cu))
+        for heads, freqs, options, one_sequence, window_first in calls16:
+            t = torch.randn(44 if name == "outside" else cu[-1], heads, 16, device=DEVICE,
+                            dtype=torch.bfloat16)
+            results = []
+            for rule, one, window in zip(rules16, one_sequence, window_first):
+                with L.use_launch_rule(rule):
+                    cfg = _plan_of_call(t, freqs, **options, **thd).launch.cfg
+                    results.append(L.set_rotary_kernel(t, freqs, **options, **thd))
+                assert (cfg.SEARCH_ONE_SEQUENCE, cfg.SEARCH_WINDOW_FIRST) == (one, window), (
+                    name, heads, options, rule.search_one_sequence, rule.search_window_first)
+                windows += cfg.SEARCH_WINDOW_FIRST
+            # Only where a rule planned otherwise than the one without the shortcut.
+            for result, one in zip(results[1:], one_sequence[1:]):
+                if one:
+                    assert torch.equal(result, results[0]), (name, heads, options)
+    assert windows == 4 * len(cases)
     # q (2 heads) and k (1) in one launch of pair tiles.
     q, k = torch.randn(40, 2, 16, device=DEVICE), torch.randn(40, 1, 16, device=DEVICE)
     with L.use_launch_rule(on):
         (plan,) = _plans_of_qk_call(q, k, module, tensor_format="thd",
                                     cu_seqlens=int_tensor(cases["uniform"]))
         assert not plan.launch.cfg[0].SEARCH_ONE_SEQUENCE
-    # The uniform case's tiles (8 tokens of one head, 4 of two) all take the shortcut, so the
-    # comparisons above ran it.
-    for block_t in (8, 4):
-        inside = torch.full((40 // block_t,), -1, dtype=torch.int32, device=DEVICE)
-        _tile_in_one_sequence_probe[(40 // block_t,)](int_tensor(cases["uniform"]), inside, 40, 5, 1,
-                                                      block_t)
-        assert inside.cpu().tolist() == [1] * (40 // block_t), (block_t, inside)
+    # The uniform case's tiles (8 tokens of one head, 4 of two; from the window, 8 tokens of
+    # one bf16 head) all take the shortcut, so the comparisons above ran it.
+    for block_t, window_first in ((8, False), (4, False), (8, True)):
+        tiles = triton.cdiv(40, block_t)
+        inside = torch.full((tiles,), -1, dtype=torch.int32, device=DEVICE)
+        _tile_in_one_sequence_probe[(tiles,)](int_tensor(cases["uniform"]), inside, 40, 5, 1,
+                                              block_t, window_first)
+        assert inside.cpu().tolist() == [1] * tiles, (block_t, inside)
     with L.use_launch_rule(on):
         t = torch.randn(40, 2, 16, device=DEVICE)
         positions = int_tensor(list(range(40)))
@@ -4856,11 +4909,13 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
             t = torch.randn(2048 * 64, heads, d, dtype=torch.bfloat16, device=DEVICE)
             set_rotary_kernel(t, freqs, tensor_format="thd", cu_seqlens=cu)
     flag = Variant._fields.index("SEARCH_ONE_SEQUENCE")
+    window = Variant._fields.index("SEARCH_WINDOW_FIRST")
     takes_it = [r["constexprs"][0]["fields"][flag] for r in records]
-    assert takes_it == [False, True, True, False], records
+    assert takes_it == [True, True, True, False], records
+    assert [r["constexprs"][0]["fields"][window] for r in records] == [True, True, False, False]
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([r for r, on_ in zip(records, takes_it) if on_]))
-    assert _run_probe("--launches", str(path)) == [{"ok": True}] * 2
+    assert _run_probe("--launches", str(path)) == [{"ok": True}] * 3
 
 
 def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):

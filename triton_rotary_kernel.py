@@ -215,6 +215,8 @@ class Variant(NamedTuple):
     CONTEXT_PARALLEL: bool = False  # cp_size > 1: positions of TE's load-balanced split
     SEARCH_ONE_SEQUENCE: bool = False  # thd: a tile inside its first token's sequence takes it
     #                                    without a search (`_tile_in_one_sequence`)
+    SEARCH_WINDOW_FIRST: bool = False  # thd, with both above: that sequence from the guessed
+    #                                    window, not from the checked guess (`_tile_sequences`)
 
 
 class TileInputs(NamedTuple):
@@ -421,6 +423,7 @@ class PositionsTile(NamedTuple):
     SEARCH_ONE_SEQUENCE: bool = False  # off: its tiles of SEQUENCE_POSITIONS_BLOCK tokens
     #                                    would seldom lie inside one sequence (neither counted
     #                                    nor measured)
+    SEARCH_WINDOW_FIRST: bool = False  # off, with SEARCH_ONE_SEQUENCE
 
 
 @triton.jit(do_not_specialize=["num_tokens", "seq_len", "batch", "cp_size", "cp_rank"])
@@ -1115,7 +1118,8 @@ def _implicit_positions(positions, tok, first_tok, seq_idx, batch_idx, tokens, c
                                                         next_start, num_seqs,
                                                         tokens.num_tokens, cp_size,
                                                         cfg.SEARCH_LEVELS, cfg.SEARCH_GUESS,
-                                                        cfg.SEARCH_ONE_SEQUENCE)
+                                                        cfg.SEARCH_ONE_SEQUENCE,
+                                                        cfg.SEARCH_WINDOW_FIRST)
         seq_start = (seq_start // cp_size).to(tl.int64)
         seq_end = (seq_end // cp_size).to(tl.int64)
         # Tokens outside every sequence: before cu_seqlens[0] or from cu_seqlens[-1] on.
@@ -1152,16 +1156,36 @@ GUESS_BEFORE = tl.constexpr(8)
 @triton.jit
 def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_size,
                     SEARCH_LEVELS: tl.constexpr, SEARCH_GUESS: tl.constexpr,
-                    ONE_SEQUENCE: tl.constexpr):
+                    ONE_SEQUENCE: tl.constexpr, WINDOW_FIRST: tl.constexpr):
     """(sequence index, cu[index], cu[index + 1]) of each of a tile's consecutive tokens: the
     last i in [0, num_seqs] with cu[i] < next_start (0 when there is none).
 
     With ONE_SEQUENCE, a tile that lies inside its first token's sequence
-    (`_tile_in_one_sequence`) takes that sequence for every token and searches none; the
-    other tiles, and every tile without it, take `_guessed_or_searched_sequences`."""
-    if ONE_SEQUENCE:
-        hit, g, g_start, g_end = _checked_sequence_guess(
-            cu_seqlens, first_tok, (first_tok + 1).to(tl.int64) * cp_size, num_seqs, num_tokens)
+    (`_tile_in_one_sequence`) takes that sequence for every token and compares none of them
+    with cu_seqlens. The first token's sequence comes from the checked guess, two scalar loads
+    that find it where lengths are uniform; with WINDOW_FIRST (and SEARCH_GUESS) from the
+    guessed window, one vector load that finds it wherever the guess is off by fewer
+    sequences than the window holds, and serves the tile's tokens on a miss. The other tiles,
+    and every tile without ONE_SEQUENCE, take `_guessed_or_searched_sequences`."""
+    tl.static_assert(not WINDOW_FIRST or (ONE_SEQUENCE and SEARCH_GUESS),
+                     "WINDOW_FIRST takes ONE_SEQUENCE and SEARCH_GUESS")
+    first_next = (first_tok + 1).to(tl.int64) * cp_size
+    if WINDOW_FIRST:
+        window = _guess_window(cu_seqlens, first_tok, num_seqs, num_tokens)
+        hit, g, g_start, g_end = _window_first_sequence(window, first_next, num_seqs)
+        seq = tl.zeros(next_start.shape, tl.int32) + g
+        seq_start = tl.zeros(next_start.shape, g_start.dtype) + g_start
+        seq_end = tl.zeros(next_start.shape, g_end.dtype) + g_end
+        if _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size,
+                                 next_start.shape[0]) == 0:
+            found, seq, seq_start, seq_end = _window_sequences(window, next_start, num_seqs)
+            if found == 0:
+                seq, seq_start, seq_end = _searched_sequences(cu_seqlens, first_tok, next_start,
+                                                              num_seqs, num_tokens, cp_size,
+                                                              SEARCH_LEVELS)
+    elif ONE_SEQUENCE:
+        hit, g, g_start, g_end = _checked_sequence_guess(cu_seqlens, first_tok, first_next,
+                                                         num_seqs, num_tokens)
         seq = tl.zeros(next_start.shape, tl.int32) + g
         seq_start = tl.zeros(next_start.shape, g_start.dtype) + g_start
         seq_end = tl.zeros(next_start.shape, g_end.dtype) + g_end
@@ -1180,13 +1204,13 @@ def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_
 @triton.jit
 def _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size, BLOCK_T: tl.constexpr):
     """1 (int32) where every real token of the tile of BLOCK_T tokens from first_tok lies in
-    the first token's sequence g that `_checked_sequence_guess` found (hit, so cu[g] <
-    (first_tok + 1) * cp_size): the tile's last real token t has (t + 1) * cp_size <= g_end =
-    cu[g + 1], so that g is the last i with cu[i] < next_start for every token between
-    (cu_seqlens is non-decreasing); else 0. The real tokens end before min(first_tok +
-    BLOCK_T, num_tokens), and a clamped token repeats the last. Scalars only: no per-token
-    work, where the guessed window (`_guessed_sequences`) compares every token with
-    GUESS_WINDOW entries."""
+    the first token's sequence g that `_checked_sequence_guess` or `_window_first_sequence`
+    found (hit, so cu[g] < (first_tok + 1) * cp_size): the tile's last real token t has
+    (t + 1) * cp_size <= g_end = cu[g + 1], so that g is the last i with cu[i] < next_start
+    for every token between (cu_seqlens is non-decreasing); else 0. The real tokens end before
+    min(first_tok + BLOCK_T, num_tokens), and a clamped token repeats the last. Scalars only:
+    no per-token work, where the guessed window (`_window_sequences`) compares every token
+    with GUESS_WINDOW entries."""
     last_next = tl.minimum(first_tok + BLOCK_T, num_tokens).to(tl.int64) * cp_size
     return hit & (g_end >= last_next).to(tl.int32)
 
@@ -1214,21 +1238,39 @@ def _guessed_or_searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, 
 @triton.jit
 def _guessed_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens):
     """(found, sequence index, cu[index], cu[index + 1]) of each of a tile's tokens as
-    `_tile_sequences` gives them, from one vector load: the GUESS_WINDOW entries of cu_seqlens
-    around first_tok * num_seqs / num_tokens, the first token's sequence were all sequences
-    of one length. found (int32, 0 or 1): every token's index and both its entries lie in the
-    window, so the rest is its answer (always with fewer than GUESS_WINDOW sequences, and with
-    sequences of one length where a tile spans at most GUESS_WINDOW - GUESS_BEFORE - 1 = 23 of
-    them); where 0, the rest is not to be used. A token's index is lo + (entries of
-    the window below next_start) - 1: known where the window holds an entry below it (or
-    starts at 0) and one not below it (or ends at num_seqs)."""
+    `_tile_sequences` gives them, from one vector load: `_window_sequences` of
+    `_guess_window`."""
+    return _window_sequences(_guess_window(cu_seqlens, first_tok, num_seqs, num_tokens),
+                             next_start, num_seqs)
+
+
+@triton.jit
+def _guess_window(cu_seqlens, first_tok, num_seqs, num_tokens):
+    """(lo, hi, entry): the GUESS_WINDOW entries entry[j] = cu[min(lo + j, num_seqs)] of
+    cu_seqlens from lo, GUESS_BEFORE before first_tok * num_seqs / num_tokens (the first
+    token's sequence were all sequences of one length), kept inside [0, num_seqs]; hi =
+    min(lo + GUESS_WINDOW - 1, num_seqs), the last entry inside cu_seqlens. Past num_seqs the
+    entries repeat cu[num_seqs], so entry j + 1 is still the end of the last sequence."""
     j = tl.arange(0, GUESS_WINDOW)
     guess = first_tok.to(tl.int64) * num_seqs // num_tokens
     lo = tl.maximum(tl.minimum(guess - GUESS_BEFORE, num_seqs - (GUESS_WINDOW - 1)), 0)
     hi = tl.minimum(lo + (GUESS_WINDOW - 1), num_seqs)
-    # Past num_seqs the entries repeat cu[num_seqs], so entry j + 1 is still the end of the
-    # last sequence.
     entry = tl.load(cu_seqlens + tl.minimum(lo + j, num_seqs), eviction_policy="evict_last")
+    return lo, hi, entry
+
+
+@triton.jit
+def _window_sequences(window, next_start, num_seqs):
+    """(found, sequence index, cu[index], cu[index + 1]) of each of a tile's tokens as
+    `_tile_sequences` gives them, from the guessed window (`_guess_window`). found (int32, 0
+    or 1): every token's index and both its entries lie in the window, so the rest is its
+    answer (always with fewer than GUESS_WINDOW sequences, and with sequences of one length
+    where a tile spans at most GUESS_WINDOW - GUESS_BEFORE - 1 = 23 of them); where 0, the rest
+    is not to be used. A token's index is lo + (entries of the window below next_start) - 1:
+    known where the window holds an entry below it (or starts at 0) and one not below it (or
+    ends at num_seqs)."""
+    lo, hi, entry = window
+    j = tl.arange(0, GUESS_WINDOW)
     below = tl.sum(((lo + j <= hi)[None, :] & (entry[None, :] < next_start[:, None])
                     ).to(tl.int32), axis=1)
     known = ((below > 0) | (lo == 0)) & ((lo + below <= hi) | (hi == num_seqs))
@@ -1238,6 +1280,23 @@ def _guessed_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens):
     seq_end = tl.sum(tl.where(j[None, :] == end_at[:, None], entry[None, :], 0), axis=1)
     found = tl.min(known.to(tl.int32), axis=0)
     return found, (lo + at).to(tl.int32), seq_start, seq_end
+
+
+@triton.jit
+def _window_first_sequence(window, first_next, num_seqs):
+    """(hit, g, cu[g], cu[g + 1]) of the tile's first token (first_next: its next_start) from
+    the guessed window, by `_window_sequences`' rule for that one token: scalars, where the
+    per-token rule compares every token with every entry. hit (int32, 0 or 1), as the checked
+    guess's: cu[g] < first_next, and g and both its entries lie in the window (a token before
+    cu[0] is no hit); `_tile_in_one_sequence` then tells whether the whole tile lies in g."""
+    lo, hi, entry = window
+    j = tl.arange(0, GUESS_WINDOW)
+    below = tl.sum(((lo + j <= hi) & (entry < first_next)).to(tl.int32), axis=0)
+    known = (below > 0) & ((lo + below <= hi) | (hi == num_seqs))
+    at = tl.maximum(below - 1, 0)
+    g_start = tl.sum(tl.where(j == at, entry, 0), axis=0)
+    g_end = tl.sum(tl.where(j == tl.minimum(at + 1, GUESS_WINDOW - 1), entry, 0), axis=0)
+    return known.to(tl.int32), (lo + at).to(tl.int32), g_start, g_end
 
 
 @triton.jit

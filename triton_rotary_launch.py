@@ -162,6 +162,23 @@ SEARCH_GUESS_ONE_HEAD_TOKEN = 256
 # beside the checked guess instead of after it lost on the hits and won nothing at lognormal
 # lengths (run 2). Not run on the H100.
 SEARCH_ONE_SEQUENCE = True
+# 16-bit search tiles that read the guessed window (narrow tokens: one head of
+# SEARCH_GUESS_ONE_HEAD_TOKEN bytes or more with angles from positions, TE's table at one
+# head) check it for one sequence first, from the window itself (SEARCH_WINDOW_FIRST: one
+# vector load and two scalar sums, which find the first token's sequence wherever the guess is
+# off by fewer sequences than the window holds, and the window serves the tile's tokens on a
+# miss) rather than from the checked guess (which finds it only where lengths are uniform).
+# Kernels alone, fraction of copy speed, one H200, forward / backward
+# (artifacts/thd/window_first_ab_h200.log, run 2): one head of d 128 with angles from
+# positions, which took no shortcut without it, bf16 at 2048 x 64 tokens 0.877 / 0.869 ->
+# 0.946 / 0.962, 4096 x 32 0.876 / 0.868 -> 0.954 / 0.956, lognormal lengths 0.877 / 0.873 ->
+# 0.945 / 0.950, fp16 +0.059 to +0.078; TE's table at one head, against the checked guess, at
+# lognormal lengths d 128 0.56 -> 0.60, MLA's key 0.40 -> 0.47 (bf16 and fp16), at uniform
+# lengths -0.002 to -0.010. In float32 (run 1) it lost at every one-head table point (-0.007
+# to -0.024) and at one head of d 128 with positions (0.972 -> 0.967), though it won at MLA's
+# key with positions (0.908 -> 0.940): float32 keeps the checked guess with the table and no
+# shortcut with positions. Not run on the H100.
+SEARCH_WINDOW_FIRST = True
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
@@ -397,6 +414,7 @@ class LaunchRule(NamedTuple):
     norm_pair_exact_max_heads: int
     qk_norm_overlap: bool
     search_one_sequence: bool
+    search_window_first: bool
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM,
@@ -409,7 +427,7 @@ GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_P
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
-                      QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE)
+                      QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE, SEARCH_WINDOW_FIRST)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NUM_WARPS,
                               INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 1, 0, SEARCH_GUESS,
@@ -420,7 +438,8 @@ INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NU
                               INTERPRETER_TILE_BYTES, INTERPRETER_NORM_PROGRAMS, 0,
                               QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
-                              NORM_PAIR_EXACT_MAX_HEADS, QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE)
+                              NORM_PAIR_EXACT_MAX_HEADS, QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE,
+                              SEARCH_WINDOW_FIRST)
 _RULE_OVERRIDE = [None]
 
 
@@ -1568,9 +1587,15 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
         or (shape.nheads == 1 and 0 < rule.search_guess_one_head_token <= token_bytes))
     # Search tiles of narrow tokens that lie inside one sequence skip the search: with angles
     # from positions without the guessed window, with TE's table at one head
-    # (SEARCH_ONE_SEQUENCE says why only these).
+    # (SEARCH_ONE_SEQUENCE says why only these). 16-bit one-head tiles that read the guessed
+    # window, with angles from positions too, find the sequence in the window
+    # (SEARCH_WINDOW_FIRST).
+    checked_guess_first = not guess if source.from_positions else shape.nheads == 1
+    window_first = (rule.search_window_first and guess and t.element_size() == 2
+                    and (source.from_positions or shape.nheads == 1))
     one_sequence = (rule.search_one_sequence and lone_search and narrow_token
-                    and (not guess if source.from_positions else shape.nheads == 1))
+                    and (checked_guess_first or window_first))
+    window_first = window_first and one_sequence
     if searches:
         # Wide tokens take the plain tile (SEARCH_TILE_BYTES says why).
         tile_bytes = rule.tile_bytes if wide_token else rule.search_tile_bytes
@@ -1627,6 +1652,7 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
                   SEARCH_LEVELS=(_search_levels(shape.batch) if is_thd and positions_pass is None
                                  else 0),
                   SEARCH_GUESS=guess, SEARCH_ONE_SEQUENCE=one_sequence,
+                  SEARCH_WINDOW_FIRST=window_first,
                   INVERSE=inverse, NORM=NO_NORM.value if norm is None else NORM_OVER[norm.over],
                   SAVED_RSTD=norm is not None and norm.rstd is not None,
                   NORM_AFTER_ANGLES=(norm is not None and not backward
