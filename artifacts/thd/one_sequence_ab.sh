@@ -11,15 +11,7 @@
 # than 8 files). artifacts/thd/one_sequence_ab_h200.log holds the runs that set the rule;
 # artifacts/thd/one_sequence_sass.txt the SASS these tiles run with and without it.
 set -eu
-OUT=$1; BUDGET=${2:-360}; DTYPES=${3:-bf16,fp32}
 POINTS=thd-MLA-k-2048x64,thd-lognormal-128K-MLA-k,thd-2048x64-h2-d64,thd-lognormal-64K-h2-d64
 POINTS=$POINTS,thd-2048x64-h1,thd-lognormal-128K-h1,thd-2048x64-h8,8B-TP8-k-64K
-mkdir -p "$OUT/trees/off" "$OUT/trees/rule"
-cp ./*.py "$OUT/trees/off/"
-cp ./*.py "$OUT/trees/rule/"
-sed -i 's/^SEARCH_ONE_SEQUENCE = True$/SEARCH_ONE_SEQUENCE = False/' \
-  "$OUT/trees/off/triton_rotary_launch.py"
-grep -q '^SEARCH_ONE_SEQUENCE = False$' "$OUT/trees/off/triton_rotary_launch.py"
-bash artifacts/batch_of_one/ab_rounds.sh "$OUT/ab" "$POINTS" "$DTYPES" "$BUDGET" \
-  "$OUT/trees/off" "$OUT/trees/rule"
-python3 artifacts/batch_of_one/ab_medians.py "$OUT/ab/ab.log" | tee "$OUT/medians.txt"
+bash artifacts/batch_of_one/ab_off_against_rule.sh "$1" "${2:-360}" "${3:-bf16,fp32}" \
+  "$POINTS" triton_rotary_launch.py "SEARCH_ONE_SEQUENCE = True" "SEARCH_ONE_SEQUENCE = False"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# A/B of one launch-rule or kernel choice on a GPU: two trees of this checkout's top-level
+# sources, "off" with one line of FILE replaced (FROM by TO, each a whole line) and "rule" as
+# they are, timed alternately by ab_rounds.sh (kernels alone, rope_bench's models timing) at
+# POINTS in DTYPES within BUDGET_S seconds, then the medians table. From the repository root:
+#
+#   bash artifacts/batch_of_one/ab_off_against_rule.sh OUT BUDGET_S DTYPES POINTS FILE FROM TO
+#
+# OUT gets the trees, ab_rounds.sh's files under OUT/ab and medians.txt. The scripts beside
+# the A/B logs (artifacts/thd/, artifacts/tiles/) call it with their choice's line.
+set -eu
+OUT=$1; BUDGET=$2; DTYPES=$3; POINTS=$4; FILE=$5; FROM=$6; TO=$7
+mkdir -p "$OUT/trees/off" "$OUT/trees/rule"
+cp ./*.py "$OUT/trees/off/"
+cp ./*.py "$OUT/trees/rule/"
+python3 - "$OUT/trees/off/$FILE" "$FROM" "$TO" <<'PY'
+import sys
+path, old, new = sys.argv[1:]
+lines = open(path).read().split("\n")
+assert lines.count(old) == 1, f"{path}: {lines.count(old)} lines are {old!r}"
+open(path, "w").write("\n".join(new if line == old else line for line in lines))
+PY
+bash artifacts/batch_of_one/ab_rounds.sh "$OUT/ab" "$POINTS" "$DTYPES" "$BUDGET" \
+  "$OUT/trees/off" "$OUT/trees/rule"
+python3 artifacts/batch_of_one/ab_medians.py "$OUT/ab/ab.log" | tee "$OUT/medians.txt"
