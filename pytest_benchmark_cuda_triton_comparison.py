@@ -4205,18 +4205,22 @@ def test_thd_tiles_load_the_frequencies_before_the_search():
 
 
 def test_one_head_thd_tiles_load_the_frequencies_before_the_search():
-    """One-head search tiles of a packed batch with angles from positions, as the GPU's rule
-    plans them in bf16 (SEARCH_GUESS_ONE_HEAD_TOKEN): 32 tokens of d 128 with the guessed
-    window and MLA's key (64 tokens of 32 interleaved pairs) without it, forward and backward,
-    issue all their 128-bit loads, the tile's and the inverse frequencies', before the search
-    of cu_seqlens (loads evict_last): with the window before any of its loads, without it
-    after at most the two of the first token's checked guess. Loaded with the angles, after
-    the search's code, the frequencies' loads came after every load of cu_seqlens (Triton
-    3.9)."""
+    """One-head search tiles of a packed batch with angles from positions: 32 tokens of d 128
+    and MLA's key (64 tokens of 32 interleaved pairs) with the guessed window, checked for one
+    sequence first (as the GPU's rule plans them in bf16: SEARCH_GUESS_ONE_HEAD_TOKEN,
+    SEARCH_WINDOW_FIRST) or not, and MLA's key without the window (the checked guess first),
+    forward and backward, issue all their 128-bit loads, the tile's and the inverse
+    frequencies', before the search of cu_seqlens (loads evict_last): with the window before
+    any of its loads, without it after at most the two of the first token's checked guess.
+    Loaded with the angles, after the search's code, the frequencies' loads came after every
+    load of cu_seqlens (Triton 3.9)."""
     one_head = dict(BLOCK_T=32, BLOCK_H=1, BLOCK_HALF=64, SEQ_MAJOR=False, IS_THD=True,
                     SEARCH_LEVELS=6, SEARCH_GUESS=True)
-    mla = dict(one_head, BLOCK_T=64, BLOCK_HALF=32, INTERLEAVED=True, SEARCH_GUESS=False)
-    tiles = [one_head, dict(one_head, BACKWARD=True), mla, dict(mla, BACKWARD=True)]
+    window_first = dict(SEARCH_ONE_SEQUENCE=True, SEARCH_WINDOW_FIRST=True)
+    mla = dict(one_head, BLOCK_T=64, BLOCK_HALF=32, INTERLEAVED=True)
+    tiles = [dict(one_head, **window_first), dict(one_head, BACKWARD=True, **window_first),
+             one_head, dict(mla, **window_first), dict(mla, BACKWARD=True, **window_first),
+             dict(mla, SEARCH_GUESS=False, SEARCH_ONE_SEQUENCE=True)]
     for tile, result in zip(tiles, _compile_tiles(*tiles)):
         loads = list(zip(result["loads"], result["load_at"]))
         vectors = [at for op, at in loads if op == "LDG.E.128"]
@@ -4800,10 +4804,9 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     two, at lengths where small tiles lie inside one sequence, lengths where they do not, and
     tokens outside every sequence. TE's table at two heads, the forward of a norm, pair tiles
     of q and k, calls whose positions come from a tensor and calls without a search never
-    plan it. The GPU rule plans it, in bf16, for one head of d 64 (MLA's key's width; angles
-    from positions, the checked guess) and one head of d 128 (from the window, with TE's
-    table or angles from positions), not for 8 heads (wide tokens), and the launches it plans
-    compile for sm_90."""
+    plan it. The GPU rule plans it, in bf16, for one head of d 64 (MLA's key's width) and of
+    d 128 (from the window, with TE's table or angles from positions), not for 8 heads (wide
+    tokens), and the launches it plans compile for sm_90."""
     L = triton_rotary_launch
     torch.manual_seed(67)
     module = RotaryPositionEmbedding(16, device=DEVICE)
@@ -4912,7 +4915,7 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     window = Variant._fields.index("SEARCH_WINDOW_FIRST")
     takes_it = [r["constexprs"][0]["fields"][flag] for r in records]
     assert takes_it == [True, True, True, False], records
-    assert [r["constexprs"][0]["fields"][window] for r in records] == [True, True, False, False]
+    assert [r["constexprs"][0]["fields"][window] for r in records] == [True, True, True, False]
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([r for r, on_ in zip(records, takes_it) if on_]))
     assert _run_probe("--launches", str(path)) == [{"ok": True}] * 3
@@ -4990,9 +4993,9 @@ def test_gpu_rule_tiles_and_guess_of_packed_tokens(monkeypatch):
     heads in bf16 (4 tokens) and in float32 (2); TE's table there in 2 warps, but in 4 where the
     tile holds fewer than 4 heads (2 of d 256 in bf16). Narrower tokens keep 8 KiB search tiles,
     with the guess for TE's table and, as SEARCH_GUESS_ONE_HEAD_TOKEN's measurements have it,
-    for one head of 256 bytes or more: one head of d 128 in bf16 (256 bytes, 32 tokens a tile)
-    and in float32 (512 bytes, 16) and one of d 64 in float32 (256 bytes, 32) take it; one of d 64
-    in bf16 (128 bytes; 32 tokens, the tile halved for 4 programs per SM), two of d 64 in bf16
+    for one head of 128 bytes or more: one head of d 128 in bf16 (256 bytes, 32 tokens a tile)
+    and in float32 (512 bytes, 16) and one of d 64 in bf16 (128 bytes; 32 tokens, the tile
+    halved for 4 programs per SM) and in float32 (256 bytes, 32) take it; two of d 64 in bf16
     (256 bytes, 32) and three of d 128 in bf16 (768 bytes, 8 tokens x 4 heads) do not. Only
     the plans are read."""
     L = triton_rotary_launch
@@ -5026,7 +5029,7 @@ def test_gpu_rule_tiles_and_guess_of_packed_tokens(monkeypatch):
         ("2 x 256 bf16", "positions"): (4, 2, True, 4), ("2 x 256 bf16", "table"): (4, 2, True, 4),
         ("1 x 128 bf16", "positions"): (32, 1, True, 4), ("1 x 128 bf16", "table"): (32, 1, True, 4),
         ("2 x 64 bf16", "positions"): (32, 2, False, 4), ("2 x 64 bf16", "table"): (32, 2, True, 4),
-        ("1 x 64 bf16", "positions"): (32, 1, False, 4), ("1 x 64 bf16", "table"): (32, 1, True, 4),
+        ("1 x 64 bf16", "positions"): (32, 1, True, 4), ("1 x 64 bf16", "table"): (32, 1, True, 4),
         ("1 x 64 fp32", "positions"): (32, 1, True, 4), ("1 x 64 fp32", "table"): (32, 1, True, 4),
         ("1 x 128 fp32", "positions"): (16, 1, True, 4), ("1 x 128 fp32", "table"): (16, 1, True, 4),
         ("3 x 128 bf16", "positions"): (8, 4, False, 4), ("3 x 128 bf16", "table"): (8, 4, True, 4),
