@@ -141,10 +141,10 @@ SEARCH_GUESS = True
 # 16 bits 0.714-0.760 -> 0.815-0.830 at uniform lengths of 32 and 64 and at lognormal ones,
 # float32 +0.003 to +0.019; one head of d 64 (MLA's key) in float32 +0.053 / +0.054 but in
 # 16 bits -0.007 to -0.010; two heads of d 64 in 16 bits -0.016 to -0.022, in float32 +0.000 to
-# +0.008. So one head from 256 bytes on, until 16-bit one-head tiles that read the window
-# found the first token's sequence in it (SEARCH_WINDOW_FIRST): with that, MLA's key in 16
-# bits (128 bytes) won too, against no window (artifacts/thd/guess_one_head_token_ab_h200.log):
-# at lognormal lengths 0.584-0.587 -> 0.772-0.777, at 2048 x 64 tokens bf16 backward 0.762 ->
+# +0.008. Those runs, without SEARCH_WINDOW_FIRST, put the bound at 256 bytes. With it (16-bit
+# one-head tiles find the first token's sequence in the window), MLA's key in 16 bits (128
+# bytes) wins too, against no window (artifacts/thd/guess_one_head_token_ab_h200.log): at
+# lognormal lengths 0.584-0.587 -> 0.772-0.777, at 2048 x 64 tokens bf16 backward 0.762 ->
 # 0.827, fp16 +0.012 / +0.016, bf16 forward +0.002. So from 128 bytes on. Not measured: one
 # head of d 256 (512 bytes in 16 bits), one-head tokens of 128 bytes in float32 (d 32, which
 # take the window without SEARCH_WINDOW_FIRST), anything on the H100.
