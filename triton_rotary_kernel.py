@@ -1169,23 +1169,15 @@ def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_
     and every tile without ONE_SEQUENCE, take `_guessed_or_searched_sequences`."""
     tl.static_assert(not WINDOW_FIRST or (ONE_SEQUENCE and SEARCH_GUESS),
                      "WINDOW_FIRST takes ONE_SEQUENCE and SEARCH_GUESS")
-    first_next = (first_tok + 1).to(tl.int64) * cp_size
-    if WINDOW_FIRST:
-        window = _guess_window(cu_seqlens, first_tok, num_seqs, num_tokens)
-        hit, g, g_start, g_end = _window_first_sequence(window, first_next, num_seqs)
-        seq = tl.zeros(next_start.shape, tl.int32) + g
-        seq_start = tl.zeros(next_start.shape, g_start.dtype) + g_start
-        seq_end = tl.zeros(next_start.shape, g_end.dtype) + g_end
-        if _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size,
-                                 next_start.shape[0]) == 0:
-            found, seq, seq_start, seq_end = _window_sequences(window, next_start, num_seqs)
-            if found == 0:
-                seq, seq_start, seq_end = _searched_sequences(cu_seqlens, first_tok, next_start,
-                                                              num_seqs, num_tokens, cp_size,
-                                                              SEARCH_LEVELS)
-    elif ONE_SEQUENCE:
-        hit, g, g_start, g_end = _checked_sequence_guess(cu_seqlens, first_tok, first_next,
-                                                         num_seqs, num_tokens)
+    if ONE_SEQUENCE:
+        first_next = (first_tok + 1).to(tl.int64) * cp_size
+        window = None
+        if WINDOW_FIRST:
+            window = _guess_window(cu_seqlens, first_tok, num_seqs, num_tokens)
+            hit, g, g_start, g_end = _window_first_sequence(window, first_next, num_seqs)
+        else:
+            hit, g, g_start, g_end = _checked_sequence_guess(cu_seqlens, first_tok, first_next,
+                                                             num_seqs, num_tokens)
         seq = tl.zeros(next_start.shape, tl.int32) + g
         seq_start = tl.zeros(next_start.shape, g_start.dtype) + g_start
         seq_end = tl.zeros(next_start.shape, g_end.dtype) + g_end
@@ -1193,7 +1185,7 @@ def _tile_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_
                                  next_start.shape[0]) == 0:
             seq, seq_start, seq_end = _guessed_or_searched_sequences(
                 cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_size, SEARCH_LEVELS,
-                SEARCH_GUESS)
+                SEARCH_GUESS, window)
     else:
         seq, seq_start, seq_end = _guessed_or_searched_sequences(
             cu_seqlens, first_tok, next_start, num_seqs, num_tokens, cp_size, SEARCH_LEVELS,
@@ -1218,12 +1210,15 @@ def _tile_in_one_sequence(hit, g_end, first_tok, num_tokens, cp_size, BLOCK_T: t
 @triton.jit
 def _guessed_or_searched_sequences(cu_seqlens, first_tok, next_start, num_seqs, num_tokens,
                                    cp_size, SEARCH_LEVELS: tl.constexpr,
-                                   SEARCH_GUESS: tl.constexpr):
+                                   SEARCH_GUESS: tl.constexpr, window=None):
     """`_tile_sequences`' answer for any tile: with SEARCH_GUESS, from one load where
-    `_guessed_sequences` finds them all, else (and without it) by `_searched_sequences`."""
+    `_window_sequences` finds them all in the guessed window (`window`, `_guess_window`'s
+    result where the caller loaded it already), else (and without it) by
+    `_searched_sequences`."""
     if SEARCH_GUESS:
-        found, seq, seq_start, seq_end = _guessed_sequences(cu_seqlens, first_tok, next_start,
-                                                            num_seqs, num_tokens)
+        if window is None:
+            window = _guess_window(cu_seqlens, first_tok, num_seqs, num_tokens)
+        found, seq, seq_start, seq_end = _window_sequences(window, next_start, num_seqs)
         if found == 0:
             seq, seq_start, seq_end = _searched_sequences(cu_seqlens, first_tok, next_start,
                                                           num_seqs, num_tokens, cp_size,
