@@ -4806,7 +4806,8 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     of q and k, calls whose positions come from a tensor and calls without a search never
     plan it. The GPU rule plans it, in bf16, for one head of d 64 (MLA's key's width) and of
     d 128 (from the window, with TE's table or angles from positions), not for 8 heads (wide
-    tokens), and the launches it plans compile for sm_90."""
+    tokens); in float32 for one head of d 64 (from the window), not of d 128; and the
+    launches it plans compile for sm_90."""
     L = triton_rotary_launch
     torch.manual_seed(67)
     module = RotaryPositionEmbedding(16, device=DEVICE)
@@ -4845,39 +4846,44 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
             if plans_it:
                 assert torch.equal(results[True], results[False]), (name, heads, options)
     assert planned == 6 * len(cases)
-    # bf16, one head of 32 bytes reading the guessed window with angles from positions, in
-    # tiles of 256 bytes (8 tokens of one head, 4 of two): the rule without the shortcut, the
-    # one without the window first, and the rule itself.
-    small16 = small._replace(tile_bytes=256, search_tile_bytes=256,
-                             search_guess_one_head_token=32)
-    rules16 = (small16._replace(search_one_sequence=False),
-               small16._replace(search_window_first=False), small16)
-    # (heads, freqs, options, SEARCH_ONE_SEQUENCE under each rule, SEARCH_WINDOW_FIRST)
-    calls16 = [(1, module, forward, (False, False, True), (False, False, True)),
-               (1, module, backward, (False, False, True), (False, False, True)),
-               (1, table, forward, (False, True, True), (False, False, True)),
-               (1, table, backward, (False, True, True), (False, False, True)),
-               (2, module, forward, (False, True, True), (False, False, False)),
-               (2, table, forward, (False, False, False), (False, False, False))]
-    windows = 0
-    for name, cu in cases.items():
-        thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cu))
-        for heads, freqs, options, one_sequence, window_first in calls16:
-            t = torch.randn(44 if name == "outside" else cu[-1], heads, 16, device=DEVICE,
-                            dtype=torch.bfloat16)
-            results = []
-            for rule, one, window in zip(rules16, one_sequence, window_first):
-                with L.use_launch_rule(rule):
-                    cfg = _plan_of_call(t, freqs, **options, **thd).launch.cfg
-                    results.append(L.set_rotary_kernel(t, freqs, **options, **thd))
-                assert (cfg.SEARCH_ONE_SEQUENCE, cfg.SEARCH_WINDOW_FIRST) == (one, window), (
-                    name, heads, options, rule.search_one_sequence, rule.search_window_first)
-                windows += cfg.SEARCH_WINDOW_FIRST
-            # Only where a rule planned otherwise than the one without the shortcut.
-            for result, one in zip(results[1:], one_sequence[1:]):
-                if one:
-                    assert torch.equal(result, results[0]), (name, heads, options)
-    assert windows == 4 * len(cases)
+    # One head reading the guessed window, in tiles of 8 tokens of one head (4 of two): bf16
+    # (32-byte tokens) with angles from positions or TE's table, float32 (64 bytes, at the
+    # rule's float32 bound) with angles from positions only. For each, the rule without the
+    # shortcut, the one without the window first, and the rule itself.
+    for dtype, tile in ((torch.bfloat16, 256), (torch.float32, 512)):
+        rule16 = small._replace(tile_bytes=tile, search_tile_bytes=tile,
+                                search_guess_one_head_token=32,
+                                search_window_first_float32_token=64)
+        rules16 = (rule16._replace(search_one_sequence=False),
+                   rule16._replace(search_window_first=False), rule16)
+        table_window = (False, False, dtype == torch.bfloat16)
+        # (heads, freqs, options, SEARCH_ONE_SEQUENCE under each rule, SEARCH_WINDOW_FIRST)
+        calls16 = [(1, module, forward, (False, False, True), (False, False, True)),
+                   (1, module, backward, (False, False, True), (False, False, True)),
+                   (1, table, forward, (False, True, True), table_window),
+                   (1, table, backward, (False, True, True), table_window),
+                   (2, module, forward, (False, True, True), (False, False, False)),
+                   (2, table, forward, (False, False, False), (False, False, False))]
+        windows = 0
+        for name, cu in cases.items():
+            thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cu))
+            for heads, freqs, options, one_sequence, window_first in calls16:
+                t = torch.randn(44 if name == "outside" else cu[-1], heads, 16, device=DEVICE,
+                                dtype=dtype)
+                results = []
+                for rule, one, window in zip(rules16, one_sequence, window_first):
+                    with L.use_launch_rule(rule):
+                        cfg = _plan_of_call(t, freqs, **options, **thd).launch.cfg
+                        results.append(L.set_rotary_kernel(t, freqs, **options, **thd))
+                    assert (cfg.SEARCH_ONE_SEQUENCE, cfg.SEARCH_WINDOW_FIRST) == (one, window), (
+                        name, dtype, heads, options, rule.search_one_sequence,
+                        rule.search_window_first)
+                    windows += cfg.SEARCH_WINDOW_FIRST
+                # Only where a rule planned otherwise than the one without the shortcut.
+                for result, one in zip(results[1:], one_sequence[1:]):
+                    if one:
+                        assert torch.equal(result, results[0]), (name, dtype, heads, options)
+        assert windows == (4 if dtype == torch.bfloat16 else 2) * len(cases), dtype
     # q (2 heads) and k (1) in one launch of pair tiles.
     q, k = torch.randn(40, 2, 16, device=DEVICE), torch.randn(40, 1, 16, device=DEVICE)
     with L.use_launch_rule(on):
@@ -4906,19 +4912,23 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     cu = int_tensor([64 * i for i in range(2049)])
     module_128 = RotaryPositionEmbedding(128, device=DEVICE)
     module_64 = RotaryPositionEmbedding(64, device=DEVICE)
+    bf16, fp32 = torch.bfloat16, torch.float32
     with L.use_launch_rule(L.GPU_RULE):
-        for heads, d, freqs in ((1, 128, module_128), (1, 128, module_128(64)),
-                                (1, 64, module_64), (8, 128, module_128)):
-            t = torch.randn(2048 * 64, heads, d, dtype=torch.bfloat16, device=DEVICE)
+        for heads, d, freqs, dtype in ((1, 128, module_128, bf16), (1, 128, module_128(64), bf16),
+                                       (1, 64, module_64, bf16), (8, 128, module_128, bf16),
+                                       (1, 64, module_64, fp32), (1, 128, module_128, fp32)):
+            t = torch.randn(2048 * 64, heads, d, dtype=dtype, device=DEVICE)
             set_rotary_kernel(t, freqs, tensor_format="thd", cu_seqlens=cu)
     flag = Variant._fields.index("SEARCH_ONE_SEQUENCE")
     window = Variant._fields.index("SEARCH_WINDOW_FIRST")
     takes_it = [r["constexprs"][0]["fields"][flag] for r in records]
-    assert takes_it == [True, True, True, False], records
-    assert [r["constexprs"][0]["fields"][window] for r in records] == [True, True, True, False]
+    # float32: MLA's key (256 bytes) from the window, one head of d 128 (512) with neither
+    assert takes_it == [True, True, True, False, True, False], records
+    assert ([r["constexprs"][0]["fields"][window] for r in records]
+            == [True, True, True, False, True, False])
     path = tmp_path / "launches.json"
     path.write_text(json.dumps([r for r, on_ in zip(records, takes_it) if on_]))
-    assert _run_probe("--launches", str(path)) == [{"ok": True}] * 3
+    assert _run_probe("--launches", str(path)) == [{"ok": True}] * 4
 
 
 def test_thd_search_tiles_by_token_width_and_guess(monkeypatch):

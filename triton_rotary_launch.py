@@ -181,9 +181,12 @@ SEARCH_ONE_SEQUENCE = True
 # lognormal lengths d 128 0.56 -> 0.60, MLA's key 0.40 -> 0.47 (bf16 and fp16), at uniform
 # lengths -0.002 to -0.010. In float32 (run 1) it lost at every one-head table point (-0.007
 # to -0.024) and at one head of d 128 with positions (0.972 -> 0.967), though it won at MLA's
-# key with positions (0.908 -> 0.940): float32 keeps the checked guess with the table and no
-# shortcut with positions. Not run on the H100.
+# key with positions (0.908 / 0.909 -> 0.940 / 0.944): float32 keeps the checked guess with
+# the table, and with positions takes the window first only for tokens of at most
+# SEARCH_WINDOW_FIRST_FLOAT32_TOKEN bytes (MLA's key is 256, one head of d 128 is 512; d 32,
+# 128 bytes, was not measured). Not run on the H100.
 SEARCH_WINDOW_FIRST = True
+SEARCH_WINDOW_FIRST_FLOAT32_TOKEN = 256
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
 # or v by program id, work that smaller tiles repeat more often.
 QKV_TILE_BYTES = 8192
@@ -420,6 +423,7 @@ class LaunchRule(NamedTuple):
     qk_norm_overlap: bool
     search_one_sequence: bool
     search_window_first: bool
+    search_window_first_float32_token: int  # 0: never
 
 
 GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_PER_SM,
@@ -432,7 +436,8 @@ GPU_RULE = LaunchRule(TILE_BYTES, ONE_HEAD_TILE_BYTES, NUM_WARPS, MIN_PROGRAMS_P
                       NORM_PIPELINE_STAGES, QK_NORM_POSITIONS_PASS,
                       NORM_BACKWARD_MAX_REGISTERS,
                       NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS, NORM_PAIR_EXACT_MAX_HEADS,
-                      QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE, SEARCH_WINDOW_FIRST)
+                      QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE, SEARCH_WINDOW_FIRST,
+                      SEARCH_WINDOW_FIRST_FLOAT32_TOKEN)
 INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NUM_WARPS,
                               INTERPRETER_MIN_PROGRAMS,
                               INTERPRETER_TILE_BYTES, NUM_WARPS, 1, 0, SEARCH_GUESS,
@@ -444,7 +449,7 @@ INTERPRETER_RULE = LaunchRule(INTERPRETER_TILE_BYTES, INTERPRETER_TILE_BYTES, NU
                               QK_NORM_POSITIONS_PASS, 0,
                               NORM_PAIR_KEY_HEADS, NORM_PAIR_FEW_HEADS,
                               NORM_PAIR_EXACT_MAX_HEADS, QK_NORM_OVERLAP, SEARCH_ONE_SEQUENCE,
-                              SEARCH_WINDOW_FIRST)
+                              SEARCH_WINDOW_FIRST, SEARCH_WINDOW_FIRST_FLOAT32_TOKEN)
 _RULE_OVERRIDE = [None]
 
 
@@ -1593,11 +1598,14 @@ def _make_plan(t, source, tensor_format, start_positions, cu_seqlens, cp_size, c
     # Search tiles of narrow tokens that lie inside one sequence skip the search: with angles
     # from positions without the guessed window, with TE's table at one head
     # (SEARCH_ONE_SEQUENCE says why only these). 16-bit one-head tiles that read the guessed
-    # window, with angles from positions too, find the sequence in the window
-    # (SEARCH_WINDOW_FIRST).
+    # window, with angles from positions too, find the sequence in the window, and so do
+    # narrow float32 ones with angles from positions (SEARCH_WINDOW_FIRST).
     checked_guess_first = not guess if source.from_positions else shape.nheads == 1
-    window_first = (rule.search_window_first and guess and t.element_size() == 2
-                    and (source.from_positions or shape.nheads == 1))
+    narrow_float32 = (source.from_positions and t.element_size() == 4
+                      and token_bytes <= rule.search_window_first_float32_token)
+    window_first = (rule.search_window_first and guess
+                    and (source.from_positions or shape.nheads == 1)
+                    and (t.element_size() == 2 or narrow_float32))
     one_sequence = (rule.search_one_sequence and lone_search and narrow_token
                     and (checked_guess_first or window_first))
     window_first = window_first and one_sequence
