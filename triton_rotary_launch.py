@@ -184,7 +184,11 @@ SEARCH_ONE_SEQUENCE = True
 # key with positions (0.908 / 0.909 -> 0.940 / 0.944): float32 keeps the checked guess with
 # the table, and with positions takes the window first only for tokens of at most
 # SEARCH_WINDOW_FIRST_FLOAT32_TOKEN bytes (MLA's key is 256, one head of d 128 is 512; d 32,
-# 128 bytes, was not measured). Not run on the H100.
+# 128 bytes, was not measured). Against no float32 tile taking it
+# (artifacts/thd/window_first_float32_ab_h200.log), MLA's key at 2048 x 64 tokens 0.909 /
+# 0.912 -> 0.976 / 0.986, at lognormal lengths 0.946 / 0.943 -> 0.973 / 0.964; one head of
+# d 128 is better off with the guessed window and no shortcut than without the window and with
+# the checked guess (lognormal lengths 0.974 -> 0.920). Not run on the H100.
 SEARCH_WINDOW_FIRST = True
 SEARCH_WINDOW_FIRST_FLOAT32_TOKEN = 256
 # Fused-QKV query tiles hold this much: its programs also copy the value heads and pick q, k
