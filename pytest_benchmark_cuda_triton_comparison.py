@@ -4851,27 +4851,27 @@ def test_thd_tiles_inside_one_sequence_give_the_searched_result(tmp_path, monkey
     # rule's float32 bound) with angles from positions only. For each, the rule without the
     # shortcut, the one without the window first, and the rule itself.
     for dtype, tile in ((torch.bfloat16, 256), (torch.float32, 512)):
-        rule16 = small._replace(tile_bytes=tile, search_tile_bytes=tile,
-                                search_guess_one_head_token=32,
-                                search_window_first_float32_token=64)
-        rules16 = (rule16._replace(search_one_sequence=False),
-                   rule16._replace(search_window_first=False), rule16)
+        window_rule = small._replace(tile_bytes=tile, search_tile_bytes=tile,
+                                    search_guess_one_head_token=32,
+                                    search_window_first_float32_token=64)
+        window_rules = (window_rule._replace(search_one_sequence=False),
+                        window_rule._replace(search_window_first=False), window_rule)
         table_window = (False, False, dtype == torch.bfloat16)
         # (heads, freqs, options, SEARCH_ONE_SEQUENCE under each rule, SEARCH_WINDOW_FIRST)
-        calls16 = [(1, module, forward, (False, False, True), (False, False, True)),
-                   (1, module, backward, (False, False, True), (False, False, True)),
-                   (1, table, forward, (False, True, True), table_window),
-                   (1, table, backward, (False, True, True), table_window),
-                   (2, module, forward, (False, True, True), (False, False, False)),
-                   (2, table, forward, (False, False, False), (False, False, False))]
+        window_calls = [(1, module, forward, (False, False, True), (False, False, True)),
+                        (1, module, backward, (False, False, True), (False, False, True)),
+                        (1, table, forward, (False, True, True), table_window),
+                        (1, table, backward, (False, True, True), table_window),
+                        (2, module, forward, (False, True, True), (False, False, False)),
+                        (2, table, forward, (False, False, False), (False, False, False))]
         windows = 0
         for name, cu in cases.items():
             thd = dict(tensor_format="thd", cu_seqlens=int_tensor(cu))
-            for heads, freqs, options, one_sequence, window_first in calls16:
+            for heads, freqs, options, one_sequence, window_first in window_calls:
                 t = torch.randn(44 if name == "outside" else cu[-1], heads, 16, device=DEVICE,
                                 dtype=dtype)
                 results = []
-                for rule, one, window in zip(rules16, one_sequence, window_first):
+                for rule, one, window in zip(window_rules, one_sequence, window_first):
                     with L.use_launch_rule(rule):
                         cfg = _plan_of_call(t, freqs, **options, **thd).launch.cfg
                         results.append(L.set_rotary_kernel(t, freqs, **options, **thd))
